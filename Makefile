@@ -1,0 +1,24 @@
+.DEFAULT_GOAL := help
+PY ?= python
+
+help:  ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+install:  ## install torch (CPU wheel) first, then the project with judges + dev extras
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[judges,dev]"
+
+test:  ## fast test suite (minutes)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+
+test-slow:  ## the slow tests only
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m slow
+
+lint:  ## ruff
+	$(PY) -m ruff check ssd tests scripts *.py
+	$(PY) -m ruff format --check ssd tests scripts *.py
+
+bench:  ## decoding benchmark: AR vs speculative, per rule and draft length
+	$(PY) scripts/bench_decoding.py
+
+.PHONY: help install test test-slow lint bench

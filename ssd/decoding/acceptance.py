@@ -1,0 +1,384 @@
+"""Acceptance rules: given draft laws p, target laws q and the draft tokens, decide
+how many draft tokens stay and what the next token is.
+
+Convention (REFERENCE §1.1): q = the target's per-step sampling law, p = the law the
+draft actually sampled its token from.
+
+A ratio-style rule is two functions, and the same two functions serve the sampler
+and the analytic certificate (`output_law`):
+    accept_prob(p, q, x) -> probability of keeping draft token x
+    residual(p, q, x)    -> law of the replacement when x is rejected
+PCG works on groups of tokens and overrides `verify` and adds `group_law`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ssd.decoding.sampling import sample
+
+
+def _normalize(weights: torch.Tensor) -> torch.Tensor:
+    total = weights.sum(-1, keepdim=True)
+    return weights / total.clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[..., index]: index is t.shape[:-1] (one token per law) or t.shape[:-1] + [M]."""
+    if index.dim() == t.dim():
+        return t.gather(-1, index)
+    return t.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def _per_law(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-law value [...] against tokens x ([...] or [..., M])."""
+    return value.unsqueeze(-1) if x.dim() > value.dim() else value
+
+
+class AcceptanceRule:
+    """Base class: ratio-style acceptance, vectorised over rows and draft positions."""
+
+    name = "base"
+    exact = False  # True when the token-level output law equals q
+    residual_depends_on_draft_token = False
+
+    @property
+    def cheap_output_law(self) -> bool:
+        """output_law costs O(V) per position (no enumeration of draft tokens)."""
+        return not self.residual_depends_on_draft_token
+
+    def accept_prob(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def residual(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def verify(
+        self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """p [B, k, V], q [B, k+1, V] (last = bonus position), x [B, k].
+
+        Returns (n_accepted [B] in 0..k, next_token [B]): the replacement at the first
+        rejected position, or a bonus token from q[:, k] when all k were accepted.
+        """
+        batch, k = x.shape
+        accept = self.accept_prob(p, q[:, :k], x)
+        u = torch.rand(batch, k, generator=generator, device=x.device, dtype=accept.dtype)
+        n_acc = (u < accept).long().cumprod(-1).sum(-1)
+        rejected = n_acc < k
+        pos = n_acc.clamp(max=k - 1)
+        rows = torch.arange(batch, device=x.device)
+        replacement = self.residual(p[rows, pos], q[rows, pos], x[rows, pos])
+        law = torch.where(rejected.unsqueeze(-1), replacement, q[:, k])
+        return n_acc, self.sample_next(law, generator)
+
+    def sample_next(self, law: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        return sample(law, generator)
+
+    def output_law(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Exact one-step law of the emitted token [..., V] when x ~ p is verified against q."""
+        vocab = p.shape[-1]
+        xs = torch.arange(vocab, device=p.device)
+        if not self.residual_depends_on_draft_token:
+            a = self.accept_prob(p, q, xs.expand(p.shape))
+            kept = p * a
+            return kept + (1 - kept.sum(-1, keepdim=True)) * self.residual(p, q, xs[..., 0])
+        # General case: enumerate the draft token (small vocabularies; certificates).
+        pe, qe = p.unsqueeze(-2).expand(*p.shape, vocab), q.unsqueeze(-2).expand(*q.shape, vocab)
+        xe = xs.expand(*p.shape[:-1], vocab)
+        a = self.accept_prob(pe, qe, xe)  # [..., x]
+        res = self.residual(pe, qe, xe)  # [..., x, V]
+        return p * a + ((p * (1 - a)).unsqueeze(-1) * res).sum(-2)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ExactRule(AcceptanceRule):
+    """Speculative sampling (Leviathan et al.; Chen et al.): exact in law."""
+
+    name = "exact"
+    exact = True
+
+    def accept_prob(self, p, q, x):
+        px, qx = _gather(p, x), _gather(q, x)
+        return torch.where(px > 0, (qx / px.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0), 1.0)
+
+    def residual(self, p, q, x):
+        diff = (q - p).clamp_min(0)
+        # Where p == q everywhere the residual is never reached; fall back to q to stay a law.
+        return torch.where(diff.sum(-1, keepdim=True) > 0, _normalize(diff), q)
+
+
+class ToleranceRule(ExactRule):
+    """SSD (Lin et al. 2025): accept if r < min(1, q/p) + β. β = 0 is ExactRule."""
+
+    name = "tolerance"
+
+    def __init__(self, beta: float = 0.4):
+        if beta < 0:
+            raise ValueError(f"tolerance beta must be >= 0, got {beta}")
+        self.beta = float(beta)
+        self.exact = self.beta == 0
+
+    def accept_prob(self, p, q, x):
+        return (super().accept_prob(p, q, x) + self.beta).clamp(max=1.0)
+
+    def __repr__(self):
+        return f"ToleranceRule(beta={self.beta})"
+
+
+class GreedyRule(AcceptanceRule):
+    """Accept while x == argmax q; replacement and bonus are argmax q."""
+
+    name = "greedy"
+    exact = True  # equals greedy AR decoding of q (up to float ties)
+
+    def accept_prob(self, p, q, x):
+        return (_per_law(q.argmax(-1), x) == x).to(q.dtype)
+
+    def residual(self, p, q, x):
+        return torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).to(q.dtype)
+
+    def sample_next(self, law, generator):
+        return law.argmax(-1)
+
+
+class TargetOnlyRule(AcceptanceRule):
+    """Accept x with probability q(x); on rejection draw from q without x.
+
+    Exact for ANY draft law, deterministic drafts included, since it never uses p.
+    """
+
+    name = "target_only"
+    exact = True
+    residual_depends_on_draft_token = True
+
+    def accept_prob(self, p, q, x):
+        return _gather(q, x)
+
+    def residual(self, p, q, x):
+        without_x = q.scatter(-1, x.unsqueeze(-1), 0.0)
+        return torch.where(without_x.sum(-1, keepdim=True) > 0, _normalize(without_x), q)
+
+
+class TypicalRule(AcceptanceRule):
+    """Medusa-style typical acceptance: keep x if q(x) > min(ε, δ·exp(-H(q))).
+
+    Not exact; the replacement is drawn from q.
+    """
+
+    name = "typical"
+
+    def __init__(self, epsilon: float = 0.09, delta: float = 0.3):
+        self.epsilon, self.delta = float(epsilon), float(delta)
+
+    def accept_prob(self, p, q, x):
+        entropy = -(q * q.clamp_min(torch.finfo(q.dtype).tiny).log()).sum(-1)
+        threshold = torch.minimum(torch.full_like(entropy, self.epsilon), self.delta * torch.exp(-entropy))
+        return (_gather(q, x) > _per_law(threshold, x)).to(q.dtype)
+
+    def residual(self, p, q, x):
+        return q
+
+    def __repr__(self):
+        return f"TypicalRule(epsilon={self.epsilon}, delta={self.delta})"
+
+
+class SyntheticRule(AcceptanceRule):
+    """SYNTHETIC: accept each draft token with a fixed probability α, whatever p and q.
+
+    Only for speed benchmarks on random weights, where real acceptance is meaningless;
+    its output is NOT a sample of the target. Replacement and bonus come from q.
+    """
+
+    name = "synthetic"
+
+    def __init__(self, alpha: float = 0.8):
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"synthetic alpha must be in [0, 1], got {alpha}")
+        self.alpha = float(alpha)
+
+    def accept_prob(self, p, q, x):
+        return torch.full(x.shape, self.alpha, dtype=q.dtype, device=q.device)
+
+    def residual(self, p, q, x):
+        return q
+
+    def __repr__(self):
+        return f"SyntheticRule(alpha={self.alpha})"
+
+
+class PCGRule(AcceptanceRule):
+    """Principled coarse-grained acceptance (Yanuka et al. 2025, REFERENCE §1.3).
+
+    Groups G_v = {u : cos(e_u, e_v) > θ} over the target's speech-token input
+    embeddings e. Token u lies in m(u) = |G_u| groups (cosine is symmetric) and gives
+    each of them P(u)/m(u). Draft token x ~ P, group label v uniform in G_x (so v ~ P_c);
+    accept with min(1, Q_c(v)/P_c(v)) and keep x. On rejection draw v from
+    normalize(max(0, Q_c - P_c)) by thinning (propose v ~ Q_c by u ~ Q, v uniform in G_u;
+    keep with prob max(0, 1 - P_c(v)/Q_c(v))), never enumerating all groups; after
+    `max_thinning_trials` failures the residual is enumerated (still exact). The emitted
+    token is then drawn inside G_v from Q's mass split, Q(u)/m(u) normalised over G_v.
+    Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
+    """
+
+    name = "pcg"
+    exact = False
+    cheap_output_law = False  # needs a dense [groups, tokens] matrix
+
+    def __init__(self, embeddings: torch.Tensor, theta: float = 0.4, max_thinning_trials: int = 8):
+        self.theta = float(theta)
+        self.max_thinning_trials = int(max_thinning_trials)
+        self.neighbors, self.neighbor_mask = similarity_groups(embeddings, self.theta)
+        self.group_size = self.neighbor_mask.sum(-1)  # m(u) = |G_u|
+
+    @property
+    def vocab_size(self) -> int:
+        return self.neighbors.shape[0]
+
+    def to(self, device) -> PCGRule:
+        self.neighbors = self.neighbors.to(device)
+        self.neighbor_mask = self.neighbor_mask.to(device)
+        self.group_size = self.group_size.to(device)
+        return self
+
+    def coarse_mass(self, law: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """P_c(v) = sum_{u in G_v} P(u)/m(u) for group ids `groups` [...]; law [..., V]."""
+        members = self.neighbors[groups]  # [..., G]
+        mask = self.neighbor_mask[groups]
+        split = law / self.group_size.to(law.dtype)
+        return (split.gather(-1, members) * mask).sum(-1)
+
+    def _uniform_member(self, tokens: torch.Tensor, generator) -> torch.Tensor:
+        """A group label chosen uniformly among the groups containing each token."""
+        size = self.group_size[tokens]
+        u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        slot = (u * size).long().clamp(max=size - 1)
+        return self.neighbors[tokens].gather(-1, slot.unsqueeze(-1)).squeeze(-1)
+
+    def verify(self, p, q, x, generator=None):
+        n_acc, next_token, _ = self.verify_groups(p, q, x, generator)
+        return n_acc, next_token
+
+    def verify_groups(self, p, q, x, generator=None):
+        """verify() plus the group label [B] of the token emitted at the first draft position."""
+        batch, k = x.shape
+        labels = self._uniform_member(x, generator)  # [B, k], ~ P_c at each position
+        pc, qc = self.coarse_mass(p, labels), self.coarse_mass(q[:, :k], labels)
+        accept = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+        u = torch.rand(batch, k, generator=generator, device=x.device, dtype=accept.dtype)
+        n_acc = (u < accept).long().cumprod(-1).sum(-1)
+        rejected = n_acc < k
+        rows = torch.arange(batch, device=x.device)
+        pos = n_acc.clamp(max=k - 1)
+        next_token = sample(q[:, k], generator)
+        first_group = labels[:, 0].clone()
+        if rejected.any():
+            r = rows[rejected]
+            groups = self.residual_group(p[r, pos[r]], q[r, pos[r]], generator)
+            next_token[r] = self.token_in_group(q[r, pos[r]], groups, generator)
+            first_group[r[n_acc[r] == 0]] = groups[n_acc[r] == 0]
+        return n_acc, next_token, first_group
+
+    def residual_group(self, p: torch.Tensor, q: torch.Tensor, generator) -> torch.Tensor:
+        """Group ids [N] ~ normalize(max(0, Q_c - P_c)), by thinning, then enumeration."""
+        n = p.shape[0]
+        result = torch.full((n,), -1, dtype=torch.long, device=p.device)
+        for _ in range(self.max_thinning_trials):
+            todo = (result < 0).nonzero().squeeze(-1)
+            if len(todo) == 0:
+                return result
+            proposal = self._uniform_member(sample(q[todo], generator), generator)  # ~ Q_c
+            qc, pc = self.coarse_mass(q[todo], proposal), self.coarse_mass(p[todo], proposal)
+            keep_prob = (1 - pc / qc.clamp_min(torch.finfo(q.dtype).tiny)).clamp_min(0)
+            u = torch.rand(len(todo), generator=generator, device=p.device, dtype=keep_prob.dtype)
+            ok = u < keep_prob
+            result[todo[ok]] = proposal[ok]
+        todo = (result < 0).nonzero().squeeze(-1)
+        if len(todo):
+            all_groups = torch.arange(self.vocab_size, device=p.device)
+            diff = (self.coarse_law(q[todo], all_groups) - self.coarse_law(p[todo], all_groups)).clamp_min(0)
+            result[todo] = sample(_normalize(diff), generator)
+        return result
+
+    def coarse_law(self, law: torch.Tensor, all_groups: torch.Tensor | None = None) -> torch.Tensor:
+        """Q_c over every group [N, V] (enumerates all groups; fallback and certificates)."""
+        if all_groups is None:
+            all_groups = torch.arange(self.vocab_size, device=law.device)
+        split = law / self.group_size.to(law.dtype)
+        return (split[:, self.neighbors[all_groups]] * self.neighbor_mask[all_groups]).sum(-1)
+
+    def token_in_group(self, q: torch.Tensor, groups: torch.Tensor, generator) -> torch.Tensor:
+        members, mask = self.neighbors[groups], self.neighbor_mask[groups]
+        weight = q.gather(-1, members) / self.group_size[members].to(q.dtype) * mask
+        return members.gather(-1, sample(_normalize(weight), generator).unsqueeze(-1)).squeeze(-1)
+
+    def group_law(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Exact one-step law of the emitted group label [N, V] (certificate)."""
+        pc, qc = self.coarse_law(p), self.coarse_law(q)
+        accept = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+        kept = pc * accept
+        return kept + (1 - kept.sum(-1, keepdim=True)) * _normalize((qc - pc).clamp_min(0))
+
+    def output_law(self, p, q):
+        """Token-level law: accepted draft tokens, plus residual groups' Q-split members."""
+        pc, qc = self.coarse_law(p), self.coarse_law(q)
+        accept_group = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)  # [N, V groups]
+        split_p = p / self.group_size.to(p.dtype)
+        member = self.membership(p.dtype)  # [groups, tokens]
+        kept = split_p * (accept_group @ member)  # token x kept via each of its groups
+        residual = _normalize((qc - pc).clamp_min(0))
+        split_q = q / self.group_size.to(q.dtype)
+        in_group = member * split_q.unsqueeze(-2)  # [N, groups, tokens]
+        token_given_group = in_group / in_group.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        reject = 1 - kept.sum(-1, keepdim=True)
+        return kept + reject * (residual.unsqueeze(-1) * token_given_group).sum(-2)
+
+    def membership(self, dtype=torch.float64) -> torch.Tensor:
+        """Dense [groups, tokens] 0/1 matrix (small vocabularies only)."""
+        v = self.vocab_size
+        dense = torch.zeros(v, v, dtype=dtype, device=self.neighbors.device)
+        rows = torch.arange(v, device=self.neighbors.device).unsqueeze(-1).expand_as(self.neighbors)
+        dense[rows[self.neighbor_mask], self.neighbors[self.neighbor_mask]] = 1
+        return dense
+
+    def __repr__(self):
+        return f"PCGRule(theta={self.theta}, vocab={self.vocab_size}, mean_group={self.group_size.float().mean():.1f})"
+
+
+def similarity_groups(embeddings: torch.Tensor, theta: float, chunk: int = 2048):
+    """Padded neighbour lists of {u : cos(e_u, e_v) > θ} for every v (chunked: V can be 65k).
+
+    Returns (neighbors [V, G] long, mask [V, G] bool); every token is its own member.
+    """
+    e = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1)
+    vocab = e.shape[0]
+    lists = []
+    for start in range(0, vocab, chunk):
+        sim = e[start : start + chunk] @ e.T
+        sim[torch.arange(sim.shape[0]), torch.arange(start, start + sim.shape[0])] = math.inf
+        lists.extend(row.nonzero().squeeze(-1) for row in sim > theta)
+    width = max(len(ids) for ids in lists)
+    neighbors = torch.zeros(vocab, width, dtype=torch.long)
+    mask = torch.zeros(vocab, width, dtype=torch.bool)
+    for v, ids in enumerate(lists):
+        neighbors[v, : len(ids)], mask[v, : len(ids)] = ids, True
+    return neighbors, mask
+
+
+RULES = {
+    cls.name: cls
+    for cls in (ExactRule, ToleranceRule, GreedyRule, TargetOnlyRule, TypicalRule, SyntheticRule)
+}
+
+
+def make_rule(name: str, **kwargs) -> AcceptanceRule:
+    """Build a rule by name ('pcg' needs embeddings=...)."""
+    if name == "pcg":
+        return PCGRule(**kwargs)
+    if name not in RULES:
+        raise ValueError(f"unknown acceptance rule {name!r}; choose one of {sorted([*RULES, 'pcg'])}")
+    return RULES[name](**kwargs)

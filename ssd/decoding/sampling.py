@@ -1,0 +1,174 @@
+"""Sampling transforms: logits (+ generated history) -> the exact per-step distribution.
+
+The SAME function gives the AR baseline the distribution it samples from and gives
+the verifier the target law q at each draft position (with the history extended by
+the earlier draft tokens). That is what makes β = 0 exact, RAS included.
+
+Everything is vectorised over rows: the verifier evaluates B·(k+1) positions at once.
+Computation happens in the dtype of `logits` (the engine passes float32; the
+analytic certificates pass float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NUCLEUS_RULES = ("hf", "cosyvoice")
+RAS_VARIANTS = ("classic", "exclude_repeated")
+EOS_MODES = ("mask", "resample")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one model turns logits into its per-step sampling law.
+
+    temperature: 0 means greedy (a one-hot law on the argmax).
+    nucleus: "hf" = HF top-k then top-p (the token crossing top_p is kept);
+             "cosyvoice" = CosyVoice's loop: take tokens in descending order while the
+             cumulative mass BEFORE them is < top_p and fewer than top_k are taken.
+    ras_window: > 0 turns on CosyVoice 2's repetition-aware sampling (REFERENCE §2.3):
+             a nucleus draw that occurs >= ras_window·ras_tau times among the last
+             ras_window GENERATED tokens is replaced by a draw from the full softmax.
+    ras_variant: "classic" (fallback from the full softmax) or "exclude_repeated"
+             (Feb-2026 upstream: the repeated id is excluded from the fallback).
+    stop_tokens: ids that end a sequence. Before min_len they are forbidden:
+    eos_mode: "mask" = logits of stop tokens set to -inf first (newer upstream);
+              "resample" = redraw until not a stop token, i.e. the law conditioned on
+              "not a stop token" (older upstream).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    nucleus: str = "hf"
+    ras_window: int = 0
+    ras_tau: float = 0.1
+    ras_variant: str = "classic"
+    stop_tokens: tuple[int, ...] = field(default_factory=tuple)
+    eos_mode: str = "mask"
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or null, got {self.top_p}")
+        for name, value, allowed in (
+            ("nucleus", self.nucleus, NUCLEUS_RULES),
+            ("ras_variant", self.ras_variant, RAS_VARIANTS),
+            ("eos_mode", self.eos_mode, EOS_MODES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"sampling.{name} must be one of {allowed}, got {value!r}")
+        if self.ras_window < 0:
+            raise ValueError(f"ras_window must be >= 0, got {self.ras_window}")
+
+    @property
+    def window(self) -> int:
+        """How many generated tokens the law depends on."""
+        return self.ras_window
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distribution(
+    cfg: SamplingConfig,
+    logits: torch.Tensor,
+    window: torch.Tensor | None = None,
+    step: torch.Tensor | int = 0,
+    min_len: torch.Tensor | int = 0,
+) -> torch.Tensor:
+    """The per-step sampling law for each row.
+
+    logits [N, V]; window [N, W] = the last W generated tokens (-1 where fewer exist);
+    step [N] = index of the token being sampled (0 = first generated token);
+    min_len [N] = stop tokens are forbidden while step < min_len.
+    Returns probabilities [N, V] (rows sum to 1) in logits.dtype.
+    """
+    n_rows, vocab = logits.shape
+    step = torch.as_tensor(step, device=logits.device).expand(n_rows)
+    min_len = torch.as_tensor(min_len, device=logits.device).expand(n_rows)
+    stop = torch.tensor(cfg.stop_tokens, dtype=torch.long, device=logits.device)
+    forbid_stop = (step < min_len) if len(stop) else None
+
+    if forbid_stop is not None and (cfg.eos_mode == "mask" or cfg.greedy):
+        logits = logits.clone()
+        logits[forbid_stop.nonzero()[:, :1], stop] = float("-inf")
+
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(logits.dtype)
+
+    logits = logits / cfg.temperature if cfg.temperature != 1.0 else logits
+    probs = torch.softmax(logits, dim=-1)
+    nucleus = _nucleus(cfg, logits, probs)
+    law = nucleus if cfg.ras_window == 0 else _ras(cfg, nucleus, probs, window)
+
+    if forbid_stop is not None and cfg.eos_mode == "resample":
+        law = law.clone()
+        law[forbid_stop.nonzero()[:, :1], stop] = 0.0
+        law = law / law.sum(-1, keepdim=True)
+    return law
+
+
+def _nucleus(cfg: SamplingConfig, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Renormalised law over the nucleus set (top-k / top-p by the configured rule)."""
+    if cfg.top_k is None and cfg.top_p is None:
+        return probs
+    vocab = probs.shape[-1]
+    if cfg.nucleus == "cosyvoice":
+        # Descending stable sort, as CosyVoice's loop walks it.
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        rank = torch.arange(vocab, device=probs.device)
+        keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
+        if cfg.top_p is not None:
+            keep_sorted &= mass_before < cfg.top_p
+        if cfg.top_k is not None:
+            keep_sorted &= rank < cfg.top_k
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        kept = torch.where(keep, probs, torch.zeros_like(probs))
+        return kept / kept.sum(-1, keepdim=True)
+
+    # HF rule: TopKLogitsWarper then TopPLogitsWarper on the renormalised result.
+    filtered = logits
+    if cfg.top_k is not None and cfg.top_k < vocab:
+        kth = torch.topk(filtered, cfg.top_k, dim=-1).values[..., -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if cfg.top_p is not None and cfg.top_p < 1.0:
+        sorted_logits, order = filtered.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1 - cfg.top_p)
+        remove_sorted[..., -1] = False  # min_tokens_to_keep = 1
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        filtered = filtered.masked_fill(remove, float("-inf"))
+    return torch.softmax(filtered, dim=-1)
+
+
+def _ras(cfg: SamplingConfig, nucleus: torch.Tensor, probs: torch.Tensor, window: torch.Tensor | None):
+    """Closed form of repetition-aware sampling (REFERENCE §2.3)."""
+    n_rows, vocab = probs.shape
+    if window is None:
+        window = torch.full((n_rows, 0), -1, dtype=torch.long, device=probs.device)
+    window = window[:, -cfg.ras_window :] if window.shape[1] else window
+    valid = window >= 0
+    counts = torch.zeros(n_rows, vocab + 1, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(1, torch.where(valid, window, vocab), valid.to(probs.dtype))
+    repeated = counts[:, :vocab] >= cfg.ras_window * cfg.ras_tau
+    kept = torch.where(repeated, torch.zeros_like(nucleus), nucleus)
+    rejected = torch.where(repeated, nucleus, torch.zeros_like(nucleus))
+    if cfg.ras_variant == "classic":
+        return kept + rejected.sum(-1, keepdim=True) * probs
+    # Fallback excludes the repeated id x: p(y)[y != x] / (1 - p(x)), weighted by n(x).
+    weight = rejected / (1 - probs).clamp_min(torch.finfo(probs.dtype).tiny)
+    return kept + probs * (weight.sum(-1, keepdim=True) - weight)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from probabilities [N, V] -> LongTensor [N]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

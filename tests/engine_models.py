@@ -1,0 +1,58 @@
+"""Tiny models that speak the engine's SpeechLM interface, for engine tests.
+
+A trigram table model: the next-token logits depend on the last two tokens IN ITS
+CACHE, so a loop that mis-tracks the cache (wrong rollback, a token fed twice or
+never) changes the law, and the statistical certificates see it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TrigramLM:
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # [V+1, V+1, V]; index V = "no token" (start)
+        self.vocab_size = table.shape[-1]
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int):
+        batch, plen = prompt.shape
+        tokens = torch.full((batch, plen + max_new_tokens), self.vocab_size, dtype=torch.long)
+        tokens[:, :plen] = prompt
+        cache = {"tokens": tokens, "lengths": torch.full((batch,), plen, dtype=torch.long)}
+        return cache, self._logits(cache, cache["lengths"])
+
+    def extend(self, cache, tokens: torch.Tensor) -> torch.Tensor:
+        batch, k = tokens.shape
+        lengths = cache["lengths"]
+        if int(lengths.max()) + k > cache["tokens"].shape[1]:
+            raise RuntimeError("TrigramLM cache overflow")
+        pos = lengths.unsqueeze(-1) + torch.arange(k)
+        cache["tokens"].scatter_(1, pos, tokens)
+        out = torch.stack([self._logits(cache, lengths + j + 1) for j in range(k)], 1)
+        cache["lengths"] = lengths + k
+        return out
+
+    def rollback(self, cache, n) -> None:
+        cache["lengths"] = cache["lengths"] - torch.as_tensor(n)
+        if (cache["lengths"] < 0).any():
+            raise RuntimeError("rolled back past the prompt")
+
+    def _logits(self, cache, upto: torch.Tensor) -> torch.Tensor:
+        toks = cache["tokens"]
+        start = torch.full_like(upto, self.vocab_size)
+        prev1 = torch.where(
+            upto >= 1, toks.gather(1, (upto - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), start
+        )
+        prev2 = torch.where(
+            upto >= 2, toks.gather(1, (upto - 2).clamp_min(0).unsqueeze(-1)).squeeze(-1), start
+        )
+        return self.table[prev2, prev1].float()
+
+
+def trigram_pair(vocab: int, seed: int, draft_noise: float = 1.0, scale: float = 1.5):
+    """A target trigram model and a draft that disagrees with it noticeably."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(vocab + 1, vocab + 1, vocab, generator=g, dtype=torch.float64) * scale
+    noisy = table + torch.randn(table.shape, generator=g, dtype=torch.float64) * draft_noise
+    return TrigramLM(table), TrigramLM(noisy)

@@ -1,0 +1,153 @@
+"""Sampling transforms equal the procedures they claim to be in closed form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from ssd.decoding.sampling import SamplingConfig, distribution, sample
+
+P_REJECT = 1e-3  # chi-square threshold used throughout the statistical tests
+
+
+def cosyvoice_nucleus_loop(logits: torch.Tensor, top_p: float, top_k: int) -> set[int]:
+    """CosyVoice 2's nucleus_sampling loop, written out literally as upstream walks it."""
+    probs, cum, kept = logits.softmax(-1), 0.0, []
+    sorted_p, order = probs.sort(descending=True, stable=True)
+    for value, idx in zip(sorted_p.tolist(), order.tolist()):
+        if cum < top_p and len(kept) < top_k:
+            cum += value
+            kept.append(idx)
+        else:
+            break
+    return set(kept)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cosyvoice_nucleus_matches_upstream_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 60, generator=g, dtype=torch.float64) * 3
+    cfg = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice")
+    law = distribution(cfg, logits)[0]
+    assert set(law.nonzero().flatten().tolist()) == cosyvoice_nucleus_loop(logits[0], 0.8, 25)
+    kept = law > 0
+    torch.testing.assert_close(law[kept], logits[0].softmax(-1)[kept] / logits[0].softmax(-1)[kept].sum())
+
+
+def test_cosyvoice_nucleus_includes_the_crossing_token_and_caps_at_top_k():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64).log()
+    law = distribution(SamplingConfig(top_p=0.6, top_k=25, nucleus="cosyvoice"), logits)
+    assert (law[0] > 0).tolist() == [True, True, False, False]  # 0.5 < 0.6 so 0.3 is taken too
+    law = distribution(SamplingConfig(top_p=0.99, top_k=2, nucleus="cosyvoice"), logits)
+    assert (law[0] > 0).tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, None), (None, 0.7), (8, 0.9), (3, 0.5)])
+def test_hf_rule_matches_transformers_warpers(top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 40, generator=g)
+    expected = logits.clone()
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    got = distribution(SamplingConfig(top_k=top_k, top_p=top_p, nucleus="hf"), logits)
+    torch.testing.assert_close(got, expected.softmax(-1))
+
+
+def test_temperature_and_greedy():
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    torch.testing.assert_close(
+        distribution(SamplingConfig(temperature=0.5), logits), (logits / 0.5).softmax(-1)
+    )
+    assert distribution(SamplingConfig(temperature=0), logits).tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("mode", ["mask", "resample"])
+def test_stop_tokens_forbidden_before_min_len_only(mode):
+    logits = torch.zeros(2, 6, dtype=torch.float64)
+    cfg = SamplingConfig(stop_tokens=(4, 5), eos_mode=mode, top_k=3, nucleus="cosyvoice")
+    law = distribution(cfg, logits, step=torch.tensor([0, 3]), min_len=torch.tensor([2, 2]))
+    assert law[0, 4:].sum() == 0 and law[0].sum() == pytest.approx(1)
+    # after min_len stop tokens keep their nucleus mass (the first 3 ids under a stable sort)
+    assert law[1].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0, 0, 0])
+
+
+def test_eos_modes_differ_as_upstream_versions_do():
+    """mask: nucleus chosen after masking; resample: nucleus law conditioned on not-stop."""
+    logits = torch.tensor([[3.0, 1.0, 0.9, 0.8]], dtype=torch.float64)
+    cfg = dict(top_k=2, nucleus="cosyvoice", stop_tokens=(0,))
+    masked = distribution(SamplingConfig(eos_mode="mask", **cfg), logits, step=0, min_len=1)
+    resampled = distribution(SamplingConfig(eos_mode="resample", **cfg), logits, step=0, min_len=1)
+    assert (masked[0] > 0).tolist() == [False, True, True, False]
+    assert resampled[0].tolist() == pytest.approx([0, 1, 0, 0])  # nucleus {0, 1}, 0 refused
+
+
+def ras_procedure(logits, window, cfg, n, generator):
+    """RAS as upstream runs it: nucleus draw, and a redraw from the full softmax
+    (without the repeated id in the newer variant) when the draw sits in the window."""
+    nucleus = distribution(SamplingConfig(top_k=cfg.top_k, top_p=cfg.top_p, nucleus="cosyvoice"), logits)
+    probs = logits.softmax(-1)
+    draws = sample(nucleus.expand(n, -1), generator)
+    counts = torch.tensor([(window == y).sum().item() for y in range(logits.shape[-1])])
+    repeated = counts[draws] >= cfg.ras_window * cfg.ras_tau
+    out = draws.clone()
+    if cfg.ras_variant == "classic":
+        out[repeated] = sample(probs.expand(int(repeated.sum()), -1), generator)
+    else:
+        for i in repeated.nonzero().flatten().tolist():
+            fallback = probs[0].clone()
+            fallback[draws[i]] = 0
+            out[i] = sample((fallback / fallback.sum()).unsqueeze(0), generator)[0]
+    return out
+
+
+def ras_p_value(law_variant: str, procedure_variant: str) -> float:
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 8, 40_000
+    logits = torch.randn(1, vocab, generator=g, dtype=torch.float64) * 1.2
+    cfg = dict(top_k=4, top_p=0.9, nucleus="cosyvoice", ras_window=10, ras_tau=0.1)
+    window = torch.tensor([[-1, -1, 5, 1, 1, 7, 0, 2, 2, 3]])  # includes nucleus members
+    law = distribution(SamplingConfig(ras_variant=law_variant, **cfg), logits, window)[0].numpy()
+    procedure = SamplingConfig(ras_variant=procedure_variant, **cfg)
+    observed = np.bincount(
+        ras_procedure(logits, window[window >= 0], procedure, n, g).numpy(), minlength=vocab
+    )
+    support = law > 0
+    if observed[~support].sum():
+        return 0.0
+    return chisquare(observed[support], law[support] * n).pvalue
+
+
+@pytest.mark.parametrize("variant", ["classic", "exclude_repeated"])
+def test_ras_closed_form_matches_the_procedure(variant):
+    assert ras_p_value(variant, variant) > P_REJECT
+
+
+@pytest.mark.parametrize("law,procedure", [("classic", "exclude_repeated"), ("exclude_repeated", "classic")])
+def test_ras_test_rejects_the_other_variant(law, procedure):
+    """Negative control: the same test tells the two upstream variants apart."""
+    assert ras_p_value(law, procedure) < P_REJECT
+
+
+def test_ras_window_counts_only_generated_tokens_and_the_threshold():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    cfg = SamplingConfig(top_k=2, nucleus="cosyvoice", ras_window=4, ras_tau=0.5)  # repeat = 2+ times
+    once = distribution(cfg, logits, torch.tensor([[0, 3, -1, -1]]))
+    twice = distribution(cfg, logits, torch.tensor([[0, 3, 0, -1]]))
+    nucleus = distribution(SamplingConfig(top_k=2, nucleus="cosyvoice"), logits)
+    torch.testing.assert_close(once, nucleus)
+    expected = nucleus.clone()
+    expected[0, 0] = 0
+    expected += nucleus[0, 0] * logits.softmax(-1)
+    torch.testing.assert_close(twice, expected)
+
+
+def test_bad_config_values_fail_clearly():
+    with pytest.raises(ValueError, match="nucleus"):
+        SamplingConfig(nucleus="topk")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=1.5)
