@@ -1,0 +1,112 @@
+"""What CosyVoice 2 and LLaSA adapters share: the SpeechLM methods over a static-cache backbone.
+
+A subclass says how a prompt becomes input embeddings, how speech tokens are embedded and how
+hidden states become speech logits; prefill/extend/rollback live here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ssd.models.transformer import Backbone, KVCache
+
+
+class CachedSpeechLM(nn.Module):
+    """Base of the speech LM adapters; speaks `ssd.decoding.interface.SpeechLM`."""
+
+    backbone: Backbone
+    vocab_size: int
+    draft_recipe: Any = None  # set by ssd.models.draft.build_draft
+    draft_target_fingerprint: Any = None
+    draft_name: str | None = None
+
+    # --- what a subclass provides -------------------------------------------------------------
+    def embed_prompt(self, prompt: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_embeds [B, T, H] right-padded, lengths [B])."""
+        raise NotImplementedError
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Speech-head ids [B, k] -> input embeddings [B, k, H]."""
+        raise NotImplementedError
+
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., H] -> logits over the speech head [..., V] (model dtype)."""
+        raise NotImplementedError
+
+    def module_groups(self) -> dict[str, nn.Module]:
+        """Named parts a draft recipe may mark trainable ("layers.0", "head", ...)."""
+        raise NotImplementedError
+
+    def draft_skeleton(self, num_layers: int) -> CachedSpeechLM:
+        """The same class and sizes with num_layers layers, built on the meta device."""
+        raise NotImplementedError
+
+    # --- SpeechLM ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompt: Any, max_new_tokens: int) -> tuple[KVCache, torch.Tensor]:
+        embeds, lengths = self.embed_prompt(prompt)
+        cache = self.backbone.new_cache(embeds.shape[0], embeds.shape[1] + max_new_tokens)
+        hidden = self.backbone.forward_cached(embeds, cache, num_new=lengths)
+        cache.prompt_lengths = cache.lengths.clone()
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+        return cache, self.speech_logits(last).float()
+
+    @torch.no_grad()
+    def extend(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != cache.lengths.shape[0]:
+            raise ValueError(
+                f"extend: tokens must be [B={cache.lengths.shape[0]}, k], got {tuple(tokens.shape)}"
+            )
+        hidden = self.backbone.forward_cached(self.embed_speech(tokens.to(self.device)), cache)
+        return self.speech_logits(hidden).float()
+
+    def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
+        cache.rollback(n)
+
+    # --- helpers -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.norm.weight.dtype
+
+    def _check_speech_ids(self, tokens: torch.Tensor, what: str) -> None:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(
+                f"{what}: speech token ids must lie in [0, {self.vocab_size}), "
+                f"got range [{int(tokens.min())}, {int(tokens.max())}]"
+            )
+
+    def __repr__(self) -> str:
+        if self.draft_recipe is not None:
+            from ssd.models.draft import describe
+
+            return describe(self)
+        return super().__repr__()
+
+
+def pad_right(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack [T_i, H] tensors into [B, max T, H] (zeros after each row) and their lengths [B]."""
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=rows[0].device)
+    return nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)}")
+    return names[dtype]

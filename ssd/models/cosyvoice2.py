@@ -1,0 +1,374 @@
+"""CosyVoice 2's speech LM (Qwen2LM) behind the engine's SpeechLM interface.
+
+Loads a CosyVoice2-0.5B model directory as distributed (REFERENCE §2.1): `llm.pt` and the Qwen2
+config + tokenizer in `CosyVoice-BlankEN/`. Key layout of `llm.pt`, loaded strictly:
+
+    llm_embedding.weight                                   [2, H]      row 0 = sos, row 1 = task_id
+    speech_embedding.weight                                [S+3, H]    S = speech_token_size
+    llm_decoder.weight, llm_decoder.bias                   [S+3, H], [S+3]
+    llm.model.model.embed_tokens.weight                    [V_text, H]
+    llm.model.model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}
+    llm.model.model.layers.{i}.self_attn.o_proj.weight
+    llm.model.model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    llm.model.model.layers.{i}.{input,post_attention}_layernorm.weight
+    llm.model.model.norm.weight                            [H]
+    llm.model.lm_head.weight                               [V_text, H] (text head: unused for speech)
+
+Input layout (upstream `Qwen2LM.inference`): [sos, embed_tokens(prompt_text ++ text), task_id,
+speech_embedding(prompt speech tokens)], then each generated token through speech_embedding;
+logits from llm_decoder (with bias) over S+3 entries; EOS = S, stop tokens S..S+2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ssd.models.base import CachedSpeechLM, pad_right, resolve_dtype
+from ssd.models.text_tokenizer import load_text_tokenizer
+from ssd.models.transformer import Backbone, BackboneConfig
+
+LLM_FILE = "llm.pt"
+TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
+BACKBONE_PREFIX = "llm.model.model."
+TEXT_HEAD_KEY = "llm.model.lm_head.weight"
+IGNORE_INDEX = -100
+# Upstream's QwenTokenizer adds these to the BlankEN tokenizer (cosyvoice/tokenizer/tokenizer.py).
+TEXT_SPECIAL_TOKENS = (
+    "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>", "[noise]",
+    "[laughter]", "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>",
+    "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]",
+)  # fmt: skip
+
+
+@dataclass
+class CosyVoice2Prompt:
+    """A batch of prompts. Row b: text tokens of prompt_text ++ text, prompt speech tokens, and the
+    number of tokens of the target text alone (min_len / max_len are multiples of it)."""
+
+    text_ids: list[torch.Tensor]  # per row, LongTensor [T_text_b]
+    speech_ids: list[torch.Tensor]  # per row, LongTensor [T_speech_b] (may be empty)
+    target_text_lens: torch.Tensor  # LongTensor [B]
+
+    def __post_init__(self) -> None:
+        self.text_ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in self.text_ids]
+        self.speech_ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in self.speech_ids]
+        self.target_text_lens = torch.as_tensor(self.target_text_lens, dtype=torch.long).reshape(-1)
+        b = len(self.text_ids)
+        if b == 0 or len(self.speech_ids) != b or self.target_text_lens.numel() != b:
+            raise ValueError(
+                f"CosyVoice2Prompt: text_ids ({b} rows), speech_ids ({len(self.speech_ids)} rows) and "
+                f"target_text_lens ({self.target_text_lens.numel()}) must have the same non-zero batch size"
+            )
+        for row, (text, n) in enumerate(zip(self.text_ids, self.target_text_lens.tolist())):
+            if not 1 <= n <= text.numel():
+                raise ValueError(
+                    f"CosyVoice2Prompt row {row}: target_text_lens={n} must be in [1, {text.numel()}] "
+                    "(the target text needs at least one token and is part of text_ids)"
+                )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.text_ids)
+
+
+class CosyVoice2LM(CachedSpeechLM):
+    """CosyVoice 2 speech LM: Qwen2 backbone + sos/task_id embedding + speech embedding and head."""
+
+    min_token_text_ratio = 2
+    max_token_text_ratio = 20
+
+    def __init__(
+        self, backbone_config: BackboneConfig, speech_token_size: int, tokenizer: Any = None
+    ) -> None:
+        super().__init__()
+        h = backbone_config.hidden_size
+        self.backbone = Backbone(backbone_config)
+        self.llm_embedding = nn.Embedding(2, h)
+        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
+        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
+        # The text head is never used for speech; kept only when untied so save_dir round-trips.
+        self.text_lm_head = (
+            None
+            if backbone_config.tie_word_embeddings
+            else nn.Linear(h, backbone_config.vocab_size, bias=False)
+        )
+        self.speech_token_size = speech_token_size
+        self.vocab_size = speech_token_size + 3
+        self.eos_token = speech_token_size
+        self.stop_tokens = (speech_token_size, speech_token_size + 1, speech_token_size + 2)
+        self.tokenizer = tokenizer
+
+    # --- checkpoint format ---------------------------------------------------------------------
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path | None,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> CosyVoice2LM:
+        """Load a CosyVoice 2 model directory (llm.pt + CosyVoice-BlankEN/)."""
+        if model_dir is None or str(model_dir) in ("", "None", "???"):
+            raise ValueError(
+                "CosyVoice 2 model_dir is not set: set target.model.model_dir=/path/to/CosyVoice2-0.5B "
+                "(or set the COSYVOICE2_DIR environment variable for target=cosyvoice2)"
+            )
+        model_dir = Path(model_dir)
+        llm_path, config_path = model_dir / LLM_FILE, model_dir / TOKENIZER_SUBDIR / "config.json"
+        for path in (model_dir, llm_path, config_path):
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"{path} does not exist: a CosyVoice 2 model dir holds {LLM_FILE} and "
+                    f"{TOKENIZER_SUBDIR}/config.json (+ tokenizer files)"
+                )
+        backbone_config = _read_backbone_config(config_path)
+        state = torch.load(llm_path, map_location="cpu", weights_only=True, mmap=True)
+        speech_rows = _speech_rows(state, llm_path)
+        expected = cls.expected_llm_pt_shapes(backbone_config, speech_rows - 3)
+        _check_state_dict(state, expected, llm_path)
+        tokenizer = load_text_tokenizer(
+            model_dir / TOKENIZER_SUBDIR, extra_special_tokens=TEXT_SPECIAL_TOKENS
+        )
+        if len(tokenizer) > backbone_config.vocab_size:
+            raise ValueError(
+                f"{model_dir / TOKENIZER_SUBDIR}: tokenizer has {len(tokenizer)} tokens (with CosyVoice's special "
+                f"tokens) but config.json vocab_size is {backbone_config.vocab_size}"
+            )
+        with torch.device("meta"):
+            model = cls(backbone_config, speech_rows - 3, tokenizer=tokenizer)
+        model.load_state_dict(model._from_llm_pt(state), strict=True, assign=True)
+        model.backbone.init_rope()
+        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
+
+    @staticmethod
+    def expected_llm_pt_shapes(config: BackboneConfig, speech_token_size: int) -> dict[str, tuple[int, ...]]:
+        """Every key of a valid llm.pt and its shape."""
+        with torch.device("meta"):
+            backbone = Backbone(config)
+        h, rows = config.hidden_size, speech_token_size + 3
+        shapes = {
+            "llm_embedding.weight": (2, h),
+            "speech_embedding.weight": (rows, h),
+            "llm_decoder.weight": (rows, h),
+            "llm_decoder.bias": (rows,),
+        }
+        shapes.update({BACKBONE_PREFIX + k: tuple(v.shape) for k, v in backbone.state_dict().items()})
+        shapes[TEXT_HEAD_KEY] = (config.vocab_size, h)
+        return shapes
+
+    def llm_pt_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's weights under the exact llm.pt keys (text head tied to embed_tokens when tied)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.state_dict().items():
+            if key.startswith("backbone."):
+                out[BACKBONE_PREFIX + key.removeprefix("backbone.")] = value
+            elif key.startswith("text_lm_head."):
+                out[TEXT_HEAD_KEY] = value
+            else:
+                out[key] = value
+        out.setdefault(TEXT_HEAD_KEY, self.backbone.embed_tokens.weight.detach())
+        return out
+
+    def _from_llm_pt(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in state.items():
+            if key.startswith(BACKBONE_PREFIX):
+                out["backbone." + key.removeprefix(BACKBONE_PREFIX)] = value
+            elif key == TEXT_HEAD_KEY:
+                if self.text_lm_head is not None:
+                    out["text_lm_head.weight"] = value
+            else:
+                out[key] = value
+        return out
+
+    def save_dir(self, out_dir: str | Path) -> Path:
+        """Write llm.pt + CosyVoice-BlankEN/ (config.json and the tokenizer) in the distributed format."""
+        if self.tokenizer is None:
+            raise ValueError("save_dir needs the model's text tokenizer (CosyVoice2LM(tokenizer=...))")
+        out_dir = Path(out_dir)
+        (out_dir / TOKENIZER_SUBDIR).mkdir(parents=True, exist_ok=True)
+        state = {
+            k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.llm_pt_state_dict().items()
+        }
+        if self.text_lm_head is None:  # tied: one tensor under both keys, as upstream's file has
+            state[TEXT_HEAD_KEY] = state[BACKBONE_PREFIX + "embed_tokens.weight"]
+        torch.save(state, out_dir / LLM_FILE)
+        hf_config = self.backbone.config.to_hf()
+        hf_config.architectures = ["Qwen2ForCausalLM"]
+        hf_config.save_pretrained(out_dir / TOKENIZER_SUBDIR)
+        self.tokenizer.save_pretrained(str(out_dir / TOKENIZER_SUBDIR))
+        return out_dir
+
+    # --- prompts -------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Text token ids with the BlankEN tokenizer, no BOS/EOS (as upstream's frontend)."""
+        if self.tokenizer is None:
+            raise ValueError("this CosyVoice2LM has no text tokenizer; build prompts from token ids instead")
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def make_prompt(
+        self,
+        texts: Sequence[str],
+        prompt_texts: Sequence[str] | None = None,
+        prompt_speech_tokens: Sequence[Sequence[int]] | None = None,
+    ) -> CosyVoice2Prompt:
+        """A prompt batch from strings (normalised text) and per-row prompt speech tokens."""
+        n = len(texts)
+        prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
+        prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
+        if len(prompt_texts) != n or len(prompt_speech_tokens) != n:
+            raise ValueError(
+                f"make_prompt: {n} texts but {len(prompt_texts)} prompt_texts and "
+                f"{len(prompt_speech_tokens)} prompt_speech_tokens"
+            )
+        targets = [self.tokenize(t) for t in texts]
+        for row, ids in enumerate(targets):
+            if not ids:
+                raise ValueError(f"make_prompt row {row}: text {texts[row]!r} has no tokens")
+        return CosyVoice2Prompt(
+            text_ids=[self.tokenize(p) + t for p, t in zip(prompt_texts, targets)],
+            speech_ids=[list(s) for s in prompt_speech_tokens],
+            target_text_lens=[len(t) for t in targets],
+        )
+
+    def length_limits(self, prompt: CosyVoice2Prompt) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min_len [B], max_len [B]) of generated tokens: 2x / 20x the target text's token count."""
+        n = prompt.target_text_lens
+        return n * self.min_token_text_ratio, n * self.max_token_text_ratio
+
+    # --- SpeechLM pieces -----------------------------------------------------------------------
+    def _text_embeds(self, ids: torch.Tensor) -> torch.Tensor:
+        vocab = self.backbone.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(
+                f"text token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]"
+            )
+        return self.backbone.embed_tokens(ids)
+
+    def _row_embeds(self, text_ids: torch.Tensor, speech_ids: torch.Tensor) -> torch.Tensor:
+        sos, task_id = self.llm_embedding.weight[0:1], self.llm_embedding.weight[1:2]
+        return torch.cat([sos, self._text_embeds(text_ids), task_id, self.speech_embedding(speech_ids)])
+
+    def embed_prompt(self, prompt: CosyVoice2Prompt) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(prompt, CosyVoice2Prompt):
+            raise TypeError(f"CosyVoice2LM needs a CosyVoice2Prompt, got {type(prompt).__name__}")
+        rows = []
+        for text, speech in zip(prompt.text_ids, prompt.speech_ids):
+            speech = speech.to(self.device)
+            self._check_speech_ids(speech, "prompt speech tokens")
+            rows.append(self._row_embeds(text.to(self.device), speech))
+        return pad_right(rows)
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.speech_embedding(tokens)
+
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.llm_decoder(hidden)
+
+    # --- training ------------------------------------------------------------------------------
+    def training_logits(
+        self,
+        text_ids: torch.Tensor,
+        text_lens: torch.Tensor,
+        speech_tokens: torch.Tensor,
+        speech_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing (REFERENCE §2.2). Inputs right-padded: text_ids [B, Tt], speech_tokens [B, Ts].
+
+        Returns (logits [B, T, S+3], targets [B, T]); row b's input is
+        [sos, text, task_id, speech] and its target [-100]*(1+Tt_b) ++ speech ++ [EOS] (the output
+        at task_id predicts speech[0]); padding targets are -100.
+        """
+        b = text_ids.shape[0]
+        if not (text_lens.numel() == speech_tokens.shape[0] == speech_lens.numel() == b):
+            raise ValueError(
+                f"training_logits: batch sizes differ: text_ids {tuple(text_ids.shape)}, text_lens "
+                f"{tuple(text_lens.shape)}, speech_tokens {tuple(speech_tokens.shape)}, speech_lens {tuple(speech_lens.shape)}"
+            )
+        device = self.device
+        rows, targets = [], []
+        for i in range(b):
+            tl, sl = int(text_lens[i]), int(speech_lens[i])
+            if tl > text_ids.shape[1] or sl > speech_tokens.shape[1]:
+                raise ValueError(f"training_logits row {i}: length ({tl}, {sl}) exceeds the padded tensor")
+            speech = speech_tokens[i, :sl].to(device)
+            if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= self.speech_token_size):
+                raise ValueError(
+                    f"training_logits row {i}: speech tokens must lie in [0, {self.speech_token_size})"
+                )
+            rows.append(self._row_embeds(text_ids[i, :tl].to(device), speech))
+            ignore = torch.full((1 + tl,), IGNORE_INDEX, dtype=torch.long, device=device)
+            eos = torch.tensor([self.eos_token], device=device)
+            targets.append(torch.cat([ignore, speech, eos]))
+        embeds, lengths = pad_right(rows)
+        target = nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX)
+        hidden = self.backbone(embeds, lengths=lengths)
+        return self.llm_decoder(hidden), target
+
+    # --- drafts --------------------------------------------------------------------------------
+    def module_groups(self) -> dict[str, nn.Module]:
+        groups: dict[str, nn.Module] = {
+            "text_embedding": self.backbone.embed_tokens,
+            "llm_embedding": self.llm_embedding,
+            "speech_embedding": self.speech_embedding,
+        }
+        groups.update({f"layers.{i}": layer for i, layer in enumerate(self.backbone.layers)})
+        groups["norm"] = self.backbone.norm
+        groups["head"] = self.llm_decoder
+        if self.text_lm_head is not None:
+            groups["text_head"] = self.text_lm_head
+        return groups
+
+    def draft_skeleton(self, num_layers: int) -> CosyVoice2LM:
+        with torch.device("meta"):
+            return type(self)(
+                self.backbone.config.with_layers(num_layers), self.speech_token_size, self.tokenizer
+            )
+
+
+def _read_backbone_config(config_path: Path) -> BackboneConfig:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(config_path.parent), local_files_only=True)
+    except Exception as err:  # transformers raises several types for a bad config.json
+        raise ValueError(f"{config_path}: not a readable HF config ({err})") from err
+    if hf_config.model_type != "qwen2":
+        raise ValueError(f"{config_path}: model_type is {hf_config.model_type!r}, CosyVoice 2 needs 'qwen2'")
+    return BackboneConfig.from_hf(hf_config)
+
+
+def _speech_rows(state: dict[str, torch.Tensor], path: Path) -> int:
+    key = "speech_embedding.weight"
+    if key not in state:
+        raise KeyError(f"{path}: missing key {key!r} (is this a CosyVoice 2 llm.pt?)")
+    return int(state[key].shape[0])
+
+
+def _check_state_dict(
+    state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path: Path
+) -> None:
+    """One error naming the file and every missing / unexpected / mis-shaped key."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"{k}: file {tuple(state[k].shape)} vs config {expected[k]}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != expected[k]
+    ]
+    problems = []
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", mismatched),
+    ):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise ValueError(f"{path} does not match its config: " + "; ".join(problems))

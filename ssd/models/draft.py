@@ -1,0 +1,224 @@
+"""Layer-inheritance drafts: the target's architecture with a chosen list of the target's layers.
+
+`build_draft(target, layers=[0, 1, 18, ..., 23], trainable=["layers.0", "layers.1", "head"])`
+returns a model of the target's class whose layer j is a bit-exact copy of target layer
+layers[j]. Frozen embeddings / head / final norm are the target's own tensors when
+share_embeddings is true (copies otherwise); trainable parts are always copies, so training a
+draft never changes its target. A draft checkpoint holds only the trainable tensors, the recipe
+and a fingerprint of the target; loading rebuilds everything else from the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssd.models.base import CachedSpeechLM
+
+CHECKPOINT_FORMAT = "ssd-draft-v1"
+PROBE_VALUES_PER_TENSOR = 4
+
+
+@dataclass(frozen=True)
+class DraftRecipe:
+    layers: tuple[int, ...]  # target layer index of each draft layer, in order
+    trainable: tuple[str, ...]  # draft-local group names ("layers.0", "head", ...)
+    share_embeddings: bool
+
+
+def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """Identity of a target: a hash of its class, parameter names and shapes, plus a few leading
+    values of every tensor (compared with a tolerance, so fp32/bf16 loads of one target agree)."""
+    state = model.state_dict()
+    structure = hashlib.sha256(type(model).__name__.encode())
+    probes = []
+    for key in sorted(state):
+        structure.update(f"{key}:{tuple(state[key].shape)};".encode())
+        probes.append(state[key].detach().flatten()[:PROBE_VALUES_PER_TENSOR].float().cpu())
+    return {"structure_sha256": structure.hexdigest(), "probe": torch.cat(probes)}
+
+
+def _group_of(model: CachedSpeechLM) -> dict[str, str]:
+    """state-dict key -> group name (as module_groups() names it)."""
+    prefix_of = {id(m): name for name, m in model.named_modules()}
+    prefixes = {prefix_of[id(m)] + ".": group for group, m in model.module_groups().items()}
+    out = {}
+    for key in model.state_dict():
+        owners = [g for p, g in prefixes.items() if key.startswith(p)]
+        if len(owners) != 1:
+            raise RuntimeError(f"{type(model).__name__}.module_groups() must cover {key!r} exactly once")
+        out[key] = owners[0]
+    return out
+
+
+def build_draft(
+    target: CachedSpeechLM,
+    layers: Sequence[int],
+    trainable: Sequence[str] = (),
+    share_embeddings: bool = True,
+    checkpoint: str | Path | None = None,
+    name: str | None = None,
+) -> CachedSpeechLM:
+    """A draft of the target's class from target layers `layers` (see the module docstring).
+
+    layers: target layer indices; negative ones count from the top (-1 = last), as in Python.
+    trainable: draft-local group names; everything else gets requires_grad=False.
+    checkpoint: a file from save_draft with the same recipe, whose trained tensors are loaded.
+    name: a label (the draft config's name), kept as draft.draft_name.
+    """
+    n_target = len(target.backbone.layers)
+    requested = [int(i) for i in layers]
+    if not requested or any(not -n_target <= i < n_target for i in requested):
+        raise ValueError(f"draft layers {requested} must be a non-empty list of target layers in [0, {n_target})"
+                         f" (or negative, from the top)")  # fmt: skip
+    layers = tuple(i % n_target for i in requested)
+    draft = target.draft_skeleton(len(layers))
+    group_of = _group_of(draft)
+    valid = list(draft.module_groups())
+    unknown = [name for name in trainable if name not in valid]
+    if unknown:
+        raise ValueError(f"draft trainable names {unknown} are unknown; valid names: {valid}")
+    trainable = tuple(trainable)
+
+    target_state = target.state_dict()
+    state = {}
+    for key, group in group_of.items():
+        source_key = key
+        if group.startswith("layers."):
+            j = int(group.split(".")[1])
+            source_key = key.replace(f"backbone.layers.{j}.", f"backbone.layers.{layers[j]}.", 1)
+        source = target_state[source_key]
+        shared = share_embeddings and not group.startswith("layers.") and group not in trainable
+        state[key] = source if shared else source.clone()
+    draft.load_state_dict(state, strict=True, assign=True)
+    draft.backbone.init_rope(device=target.device)
+    for key, param in draft.named_parameters():
+        param.requires_grad_(group_of[key] in trainable)
+    draft.draft_recipe = DraftRecipe(layers, trainable, bool(share_embeddings))
+    draft.draft_target_fingerprint = target_fingerprint(target)
+    draft.draft_name = name
+    draft.eval()
+    if checkpoint is not None:
+        _load_trained(draft, target, checkpoint)
+    return draft
+
+
+def save_draft(path: str | Path, draft: CachedSpeechLM) -> Path:
+    """Store the draft's trainable tensors, its recipe and its target's fingerprint (taken at build)."""
+    if draft.draft_recipe is None:
+        raise ValueError("save_draft needs a model made by build_draft")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trained = {k: p.detach().cpu().clone() for k, p in draft.named_parameters() if p.requires_grad}
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "recipe": {**asdict(draft.draft_recipe), "layers": list(draft.draft_recipe.layers),
+                   "trainable": list(draft.draft_recipe.trainable)},
+        "target": draft.draft_target_fingerprint,
+        "trained": trained,
+    }  # fmt: skip
+    torch.save(payload, path)
+    return path
+
+
+def _read_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"draft checkpoint {path} does not exist")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a draft checkpoint written by ssd.models.draft.save_draft")
+    return payload
+
+
+def _check_target(payload: dict[str, Any], target: CachedSpeechLM, path: Path) -> None:
+    expected, actual = payload["target"], target_fingerprint(target)
+    same = expected["structure_sha256"] == actual["structure_sha256"] and torch.allclose(
+        expected["probe"], actual["probe"], rtol=1e-2, atol=1e-3
+    )
+    if not same:
+        raise ValueError(
+            f"draft checkpoint {path} was made from a different target than the {type(target).__name__} "
+            f"given (target structure {actual['structure_sha256'][:12]} vs checkpoint "
+            f"{expected['structure_sha256'][:12]}, or different weights)"
+        )
+
+
+def _load_trained(draft: CachedSpeechLM, target: CachedSpeechLM, path: str | Path) -> None:
+    path = Path(path)
+    payload = _read_checkpoint(path)
+    _check_target(payload, target, path)
+    recipe = payload["recipe"]
+    mine = draft.draft_recipe
+    if tuple(recipe["layers"]) != mine.layers or tuple(recipe["trainable"]) != mine.trainable:
+        raise ValueError(
+            f"draft checkpoint {path} has recipe layers={recipe['layers']} trainable={recipe['trainable']}, "
+            f"but the config asks for layers={list(mine.layers)} trainable={list(mine.trainable)}"
+        )
+    params = dict(draft.named_parameters())
+    expected = {k for k, p in params.items() if p.requires_grad}
+    if set(payload["trained"]) != expected:
+        raise ValueError(
+            f"draft checkpoint {path}: tensors {sorted(payload['trained'])} != trainable {sorted(expected)}"
+        )
+    with torch.no_grad():
+        for key, value in payload["trained"].items():
+            if value.shape != params[key].shape:
+                raise ValueError(f"draft checkpoint {path}: {key} has shape {tuple(value.shape)}, "
+                                 f"draft has {tuple(params[key].shape)}")  # fmt: skip
+            params[key].copy_(value)
+
+
+def load_draft(path: str | Path, target: CachedSpeechLM) -> CachedSpeechLM:
+    """Rebuild a saved draft from its target (a different target is a clear error)."""
+    payload = _read_checkpoint(path)
+    _check_target(payload, target, Path(path))
+    recipe = payload["recipe"]
+    return build_draft(
+        target, recipe["layers"], recipe["trainable"], recipe["share_embeddings"], checkpoint=path
+    )
+
+
+def parameter_table(model: CachedSpeechLM) -> list[dict[str, Any]]:
+    """One row per module group: trainable / frozen parameter counts and where it came from."""
+    recipe = model.draft_recipe
+    rows = []
+    for group, module in model.module_groups().items():
+        params = list(module.parameters())
+        n_train = sum(p.numel() for p in params if p.requires_grad)
+        n_total = sum(p.numel() for p in params)
+        source = ""
+        if recipe is not None:
+            if group.startswith("layers."):
+                source = f"target layers.{recipe.layers[int(group.split('.')[1])]} (copy)"
+            else:
+                shared = recipe.share_embeddings and group not in recipe.trainable
+                source = "target (shared)" if shared else "target (copy)"
+        rows.append({"module": group, "trainable": n_train, "frozen": n_total - n_train, "source": source})
+    return rows
+
+
+def describe(model: CachedSpeechLM) -> str:
+    """A table of per-module trainable / frozen parameter counts (what printing a draft shows)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = parameter_table(model)
+    title = f"{type(model).__name__} draft" if model.draft_recipe is not None else type(model).__name__
+    table = Table(title=title)
+    for column in ("module", "trainable", "frozen", "source"):
+        table.add_column(column, justify="right" if column in ("trainable", "frozen") else "left")
+    for row in rows:
+        table.add_row(row["module"], f"{row['trainable']:,}", f"{row['frozen']:,}", row["source"])
+    table.add_row(
+        "total", f"{sum(r['trainable'] for r in rows):,}", f"{sum(r['frozen'] for r in rows):,}", ""
+    )
+    buffer = io.StringIO()
+    Console(file=buffer, width=100, force_terminal=False, color_system=None).print(table)
+    return buffer.getvalue()

@@ -1,0 +1,258 @@
+"""LLaSA (LLaMA + X-codec2 tokens) behind the engine's SpeechLM interface.
+
+A LLaSA dir is an HF LLaMA causal LM: config.json, model.safetensors (or shards with
+model.safetensors.index.json; keys `model.embed_tokens.weight`, `model.layers.{i}...`,
+`model.norm.weight`, `lm_head.weight` unless tied) and a tokenizer whose vocabulary is the LLaMA
+text vocabulary, then 8 special tokens (<|TEXT_GENERATION_START|> ... <|SPEECH_UNDERSTANDING_END|>),
+then the speech tokens <|s_0|> ... <|s_65535|>. The speech-token offset and the end token are read
+from the tokenizer, never assumed.
+
+Prompt (as LLaSA's inference code): the chat template applied to
+  user: "Convert the text to speech:<|TEXT_UNDERSTANDING_START|>{prompt_text} {text}<|TEXT_UNDERSTANDING_END|>"
+  assistant: "<|SPEECH_GENERATION_START|>" + prompt speech tokens
+with continue_final_message, so generation continues the assistant turn.
+
+SpeechLM head: vocab_size = num_speech_tokens + 1. Ids 0..n-1 are X-codec2 codes (global id
+offset + code); id n is EOS, standing for <|SPEECH_GENERATION_END|>. Logits are the LM head rows of
+those n + 1 tokens only: text tokens are excluded, i.e. the model's distribution conditioned on
+emitting speech or the end token (upstream HF generate could in principle emit a text token).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssd.models.base import CachedSpeechLM, pad_right, resolve_dtype
+from ssd.models.text_tokenizer import load_text_tokenizer
+from ssd.models.transformer import Backbone, BackboneConfig
+
+SPECIAL_TOKENS = (
+    "<|TEXT_GENERATION_START|>", "<|TEXT_GENERATION_END|>", "<|TEXT_UNDERSTANDING_START|>",
+    "<|TEXT_UNDERSTANDING_END|>", "<|SPEECH_GENERATION_START|>", "<|SPEECH_GENERATION_END|>",
+    "<|SPEECH_UNDERSTANDING_START|>", "<|SPEECH_UNDERSTANDING_END|>",
+)  # fmt: skip
+SPEECH_END = "<|SPEECH_GENERATION_END|>"
+TRAINED_MAX_LENGTH = 2048  # LLaSA was trained with sequences of at most 2048 tokens
+
+
+def speech_token(code: int) -> str:
+    return f"<|s_{code}|>"
+
+
+@dataclass
+class LlasaPrompt:
+    """A batch of prompts: per-row token ids (chat-formatted text ++ prompt speech tokens, global ids)."""
+
+    input_ids: list[torch.Tensor]
+
+    def __post_init__(self) -> None:
+        self.input_ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in self.input_ids]
+        if not self.input_ids or any(t.numel() == 0 for t in self.input_ids):
+            raise ValueError("LlasaPrompt needs at least one row, each with at least one token")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.input_ids)
+
+
+class LlasaLM(CachedSpeechLM):
+    def __init__(
+        self,
+        backbone_config: BackboneConfig,
+        speech_offset: int,
+        num_speech_tokens: int,
+        speech_end_id: int,
+        tokenizer: Any = None,
+        max_length: int = TRAINED_MAX_LENGTH,
+    ) -> None:
+        super().__init__()
+        if speech_offset + num_speech_tokens > backbone_config.vocab_size:
+            raise ValueError(
+                f"speech tokens [{speech_offset}, {speech_offset + num_speech_tokens}) exceed the vocabulary "
+                f"({backbone_config.vocab_size})"
+            )
+        self.backbone = Backbone(backbone_config)
+        # Always a module; when the checkpoint ties it, it holds the embedding's own tensor.
+        self.lm_head = nn.Linear(backbone_config.hidden_size, backbone_config.vocab_size, bias=False)
+        self.speech_offset = speech_offset
+        self.num_speech_tokens = num_speech_tokens
+        self.speech_end_id = speech_end_id
+        self.vocab_size = num_speech_tokens + 1
+        self.eos_token = num_speech_tokens
+        self.stop_tokens = (num_speech_tokens,)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    # --- checkpoint format ---------------------------------------------------------------------
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path | None,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        num_speech_tokens: int | None = None,
+    ) -> LlasaLM:
+        """Load an HF LLaSA dir. num_speech_tokens defaults to vocab_size - offset of <|s_0|>."""
+        if model_dir is None or str(model_dir) in ("", "None", "???"):
+            raise ValueError(
+                "LLaSA model_dir is not set: set target.model.model_dir=/path/to/Llasa-1B "
+                "(or set the LLASA_DIR environment variable for target=llasa)"
+            )
+        from transformers import AutoConfig
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{model_dir / 'config.json'} does not exist (is {model_dir} a LLaSA HF dir?)"
+            )
+        hf_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        if hf_config.model_type != "llama":
+            raise ValueError(
+                f"{model_dir / 'config.json'}: model_type {hf_config.model_type!r}, LLaSA needs 'llama'"
+            )
+        config = BackboneConfig.from_hf(hf_config)
+        tokenizer = load_text_tokenizer(model_dir)
+        offset, end_id = (
+            _token_id(tokenizer, speech_token(0), model_dir),
+            _token_id(tokenizer, SPEECH_END, model_dir),
+        )
+        n = num_speech_tokens if num_speech_tokens is not None else config.vocab_size - offset
+        if _token_id(tokenizer, speech_token(n - 1), model_dir) != offset + n - 1:
+            raise ValueError(
+                f"{model_dir}: speech tokens <|s_0|>..<|s_{n - 1}|> are not consecutive ids from {offset}"
+            )
+        state, source = _read_safetensors(model_dir)
+        _check_keys(state, config, source)
+        mapped = {
+            ("backbone." + k.removeprefix("model.")) if k.startswith("model.") else k: v
+            for k, v in state.items()
+        }
+        mapped.setdefault("lm_head.weight", mapped["backbone.embed_tokens.weight"])  # tied
+        with torch.device("meta"):
+            model = cls(config, offset, n, end_id, tokenizer=tokenizer)
+        model.load_state_dict(mapped, strict=True, assign=True)
+        model.backbone.init_rope()
+        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
+
+    # --- prompts -------------------------------------------------------------------------------
+    def make_prompt(
+        self,
+        texts: Sequence[str],
+        prompt_texts: Sequence[str] | None = None,
+        prompt_speech_tokens: Sequence[Sequence[int]] | None = None,
+    ) -> LlasaPrompt:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "LLaSA prompts need the tokenizer's chat template (tokenizer_config.json chat_template)"
+            )
+        n = len(texts)
+        prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
+        prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
+        if len(prompt_texts) != n or len(prompt_speech_tokens) != n:
+            raise ValueError(f"make_prompt: {n} texts but {len(prompt_texts)} prompt_texts, "
+                             f"{len(prompt_speech_tokens)} prompt_speech_tokens")  # fmt: skip
+        rows = []
+        for text, prompt_text, speech in zip(texts, prompt_texts, prompt_speech_tokens):
+            joined = f"{prompt_text} {text}" if prompt_text else text
+            chat = [
+                {
+                    "role": "user",
+                    "content": f"Convert the text to speech:{SPECIAL_TOKENS[2]}{joined}{SPECIAL_TOKENS[3]}",
+                },
+                {"role": "assistant", "content": SPECIAL_TOKENS[4]},
+            ]
+            ids = self.tokenizer.apply_chat_template(chat, tokenize=True, continue_final_message=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            speech = torch.as_tensor(list(speech), dtype=torch.long)
+            self._check_speech_ids(speech, "prompt speech tokens")
+            if speech.numel() and int(speech.max()) >= self.num_speech_tokens:
+                raise ValueError("prompt speech tokens must be codes, not EOS")
+            rows.append(torch.cat([torch.as_tensor(ids, dtype=torch.long), speech + self.speech_offset]))
+        return LlasaPrompt(rows)
+
+    def length_limits(self, prompt: LlasaPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min_len [B] = 0, max_len [B] = 2048 - prompt length): LLaSA's trained context."""
+        lengths = torch.tensor([t.numel() for t in prompt.input_ids])
+        return torch.zeros_like(lengths), (self.max_length - lengths).clamp(min=0)
+
+    # --- SpeechLM pieces -----------------------------------------------------------------------
+    def embed_prompt(self, prompt: LlasaPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(prompt, LlasaPrompt):
+            raise TypeError(f"LlasaLM needs a LlasaPrompt, got {type(prompt).__name__}")
+        return pad_right([self.backbone.embed_tokens(ids.to(self.device)) for ids in prompt.input_ids])
+
+    def to_global_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Speech-head ids -> LLaMA vocabulary ids (EOS -> <|SPEECH_GENERATION_END|>)."""
+        return torch.where(tokens == self.eos_token, self.speech_end_id, tokens + self.speech_offset)
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embed_tokens(self.to_global_ids(tokens))
+
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Two matmuls over views of the head (no copy of the 65k-row slice).
+        weight = self.lm_head.weight
+        codes = F.linear(hidden, weight[self.speech_offset : self.speech_offset + self.num_speech_tokens])
+        end = F.linear(hidden, weight[self.speech_end_id : self.speech_end_id + 1])
+        return torch.cat([codes, end], dim=-1)
+
+    # --- drafts --------------------------------------------------------------------------------
+    def module_groups(self) -> dict[str, nn.Module]:
+        groups: dict[str, nn.Module] = {"text_embedding": self.backbone.embed_tokens}
+        groups.update({f"layers.{i}": layer for i, layer in enumerate(self.backbone.layers)})
+        groups["norm"] = self.backbone.norm
+        groups["head"] = self.lm_head
+        return groups
+
+    def draft_skeleton(self, num_layers: int) -> LlasaLM:
+        with torch.device("meta"):
+            return type(self)(
+                self.backbone.config.with_layers(num_layers), self.speech_offset, self.num_speech_tokens,
+                self.speech_end_id, self.tokenizer, self.max_length,
+            )  # fmt: skip
+
+
+def _token_id(tokenizer: Any, token: str, model_dir: Path) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"{model_dir}: the tokenizer has no {token} token (not a LLaSA tokenizer?)")
+    return int(token_id)
+
+
+def _read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    from safetensors.torch import load_file
+
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single)), single
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(model_dir / shard)))
+        return state, index
+    raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _check_keys(state: dict[str, torch.Tensor], config: BackboneConfig, source: Path) -> None:
+    with torch.device("meta"):
+        expected = {"model." + k: tuple(v.shape) for k, v in Backbone(config).state_dict().items()}
+    head = (config.vocab_size, config.hidden_size)
+    if not config.tie_word_embeddings or "lm_head.weight" in state:
+        expected["lm_head.weight"] = head
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k}: file {tuple(state[k].shape)} vs config {s}" for k, s in expected.items()
+                  if k in state and tuple(state[k].shape) != s]  # fmt: skip
+    problems = [f"{label}: {', '.join(items[:8])}" for label, items in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)) if items]  # fmt: skip
+    if problems:
+        raise ValueError(f"{source} does not match config.json: " + "; ".join(problems))

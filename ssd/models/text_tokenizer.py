@@ -1,0 +1,84 @@
+"""Text tokenizers from local directories (nothing is fetched from a hub).
+
+`load_text_tokenizer` opens any HF tokenizer directory (the BlankEN Qwen tokenizer of CosyVoice 2,
+LLaSA's LLaMA tokenizer, the toy world's word tokenizer); use it as
+`tok(text, add_special_tokens=False).input_ids`. `write_word_tokenizer` makes the small
+word-level tokenizer of the toy world and of the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+UNK = "[UNK]"
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_text_tokenizer(path: str | Path, extra_special_tokens: Sequence[str] = ()) -> Any:
+    """A transformers tokenizer from a local directory; BOS/EOS are never added by our callers.
+
+    extra_special_tokens: added as additional special tokens when missing (CosyVoice 2's
+    frontend adds its markers such as "[breath]" the same way).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"text tokenizer directory {path} does not exist")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"text tokenizer directory {path} has none of the tokenizer files {list(TOKENIZER_FILES)}"
+        )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_path = path / "tokenizer_config.json"
+    declared = json.loads(config_path.read_text()).get("tokenizer_class") if config_path.is_file() else None
+    # A generic tokenizers-backed dir (our word tokenizer) must not be re-typed by a model config.json
+    # lying beside it (AutoTokenizer would pick Qwen2Tokenizer and add "<|endoftext|>").
+    loader = PreTrainedTokenizerFast if declared in GENERIC_TOKENIZER_CLASSES else AutoTokenizer
+    tokenizer = loader.from_pretrained(str(path), local_files_only=True)
+    missing = [t for t in extra_special_tokens if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": missing}, replace_extra_special_tokens=False
+        )
+    return tokenizer
+
+
+def write_word_tokenizer(
+    words: Iterable[str], out_dir: str | Path, special_tokens: Sequence[str] = ()
+) -> Path:
+    """Write a word-level HF tokenizer (lowercase, whitespace split, "[UNK]" = id 0) to out_dir.
+
+    Ids: [UNK] = 0, then the distinct lowercased words in first-seen order, then special_tokens.
+    Writes tokenizer.json + tokenizer_config.json; returns out_dir.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {UNK: 0}
+    for word in words:
+        word = word.strip().lower()
+        if not word or any(ch.isspace() for ch in word):
+            raise ValueError(f"write_word_tokenizer: {word!r} is not a single non-empty word")
+        vocab.setdefault(word, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token=UNK)
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def set_chat_template(tokenizer_dir: str | Path, template: str) -> None:
+    """Store a Jinja chat template in tokenizer_config.json (LLaSA formats its prompt with one)."""
+    config_path = Path(tokenizer_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2))

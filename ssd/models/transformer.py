@@ -1,0 +1,368 @@
+"""One decoder backbone for Qwen2 and LLaMA, driven by `inputs_embeds`, with a static KV cache.
+
+Hand-written rather than HF `Qwen2Model` because (ENVIRONMENT.md) HF + DynamicCache costs
+~6-9 ms extra per decode step on the 2-core CPU, and per-row rollback inside a batch is awkward
+there. Here the cache is a preallocated buffer with a per-row `lengths` vector (gpt-fast style):
+rollback is `lengths -= n`, and rows of one batch may sit at different lengths.
+
+Parameter names equal HF's (`layers.{i}.self_attn.q_proj.weight`, `norm.weight`, ...), so a
+`Qwen2Model` / `LlamaModel` state dict loads with `strict=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """The architecture numbers of a Qwen2 / LLaMA decoder (read from an HF config.json)."""
+
+    model_type: str  # "qwen2" or "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e4}
+    )
+    qkv_bias: bool = True  # Qwen2: always on; LLaMA: config.attention_bias
+    o_bias: bool = False  # LLaMA's attention_bias also covers o_proj
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, config: Any) -> BackboneConfig:
+        """From a transformers `Qwen2Config` / `LlamaConfig` (or anything with the same attributes)."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu', as Qwen2 and LLaMA use)")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", getattr(config, "rope_theta", 1e4))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters=rope,
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def to_hf(self) -> Any:
+        """The equivalent transformers config (used for RoPE variants and for comparisons with HF)."""
+        from transformers import LlamaConfig, Qwen2Config
+
+        common = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+        if self.model_type == "qwen2":
+            return Qwen2Config(**common)
+        return LlamaConfig(**common, attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+
+    def with_layers(self, num_layers: int) -> BackboneConfig:
+        return dataclasses.replace(self, num_layers=num_layers)
+
+
+def rope_inverse_frequencies(config: BackboneConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention_scaling), using transformers' RoPE variants (llama3, yarn, ...)."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        dim = config.head_dim
+        base = float(config.rope_parameters["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is unknown to transformers ({sorted(ROPE_INIT_FUNCTIONS)})"
+        )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config.to_hf(), None)
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, as HF does (matters for bf16/fp16).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class KVCache:
+    """Static KV buffers for all layers and the per-row number of valid positions."""
+
+    k: torch.Tensor  # [n_layers, B, n_kv_heads, capacity, head_dim]
+    v: torch.Tensor
+    lengths: torch.Tensor  # LongTensor [B]: positions 0..lengths[b]-1 of row b are valid
+    prompt_lengths: torch.Tensor  # LongTensor [B]: rollback never goes below these
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow the buffers (rare: only when a caller extends past what prefill reserved)."""
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, self.capacity + 64)
+        shape = list(self.k.shape)
+        shape[3] = new_capacity
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(shape)
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def rollback(self, n: torch.Tensor | int) -> None:
+        """Forget the last n positions of each row (n: int or LongTensor [B])."""
+        new_lengths = self.lengths - n
+        if bool((new_lengths < self.prompt_lengths).any()):
+            raise ValueError(
+                f"rollback by {n} would cut into the prompt (lengths {self.lengths.tolist()}, "
+                f"prompt lengths {self.prompt_lengths.tolist()})"
+            )
+        self.lengths = new_lengths
+
+
+class Attention(nn.Module):
+    def __init__(self, config: BackboneConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_write: Any = None,
+    ) -> torch.Tensor:
+        """x [B, T, H]; cos/sin [B or 1, 1, T, D]; mask bool [B or 1, 1, T, S] (True = attend) or None (causal).
+
+        kv_write: None for a full-sequence forward, else a callable storing (k, v) [B, n_kv, T, D]
+        into the cache and returning the (keys, values) slice to attend over.
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if kv_write is not None:
+            k, v = kv_write(k, v)
+        gqa = self.num_heads != self.num_kv_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: BackboneConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: BackboneConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_write=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_write)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Qwen2 / LLaMA decoder stack: embed_tokens, layers, final norm (no LM head)."""
+
+    def __init__(self, config: BackboneConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.init_rope()
+
+    def init_rope(self, device: Any = None) -> None:
+        """(Re)compute the RoPE frequencies: a non-persistent buffer, so a model built on the meta
+        device and filled by load_state_dict(assign=True) must call this with its real device."""
+        inv_freq, self.attention_scaling = rope_inverse_frequencies(self.config)
+        self.register_buffer(
+            "inv_freq", inv_freq.to(device) if device is not None else inv_freq, persistent=False
+        )
+
+    def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """HF-style init: normal(0, std) weights, zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for integer positions [B, T] (computed in float32, as HF does)."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def forward(self, inputs_embeds: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-sequence forward without cache (training). inputs_embeds [B, T, H] right-padded;
+        lengths [B] (None = all T valid). Returns final-normed hidden states [B, T, H]; outputs at
+        padded positions are meaningless."""
+        b, t, _ = inputs_embeds.shape
+        positions = torch.arange(t, device=inputs_embeds.device)[None]
+        cos, sin = self._rope(positions, inputs_embeds.dtype)
+        mask = None
+        if lengths is not None:
+            keys = torch.arange(t, device=inputs_embeds.device)
+            causal = keys[None, :] <= keys[:, None]  # [T, T]
+            mask = (causal[None] & (keys[None, None, :] < lengths.to(keys.device)[:, None, None]))[:, None]
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+    def new_cache(
+        self, batch_size: int, capacity: int, dtype: torch.dtype | None = None, device: Any = None
+    ) -> KVCache:
+        c = self.config
+        weight = self.embed_tokens.weight
+        dtype = dtype or weight.dtype
+        device = device or weight.device
+        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+        zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return KVCache(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=zeros,
+            prompt_lengths=zeros.clone(),
+        )
+
+    def forward_cached(
+        self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append a block [B, k, H] at each row's own positions lengths[b] + j, attend over the
+        cache slice [: max(lengths) + k], then advance lengths by num_new [B] (default k: a
+        right-padded block whose rows have fewer valid entries passes their counts).
+        Returns final-normed hidden states [B, k, H]."""
+        b, k, _ = inputs_embeds.shape
+        lo, hi = cache.lengths.aminmax()
+        lo, hi = int(lo), int(hi)  # one host sync per step: needed to slice the cache
+        span = hi + k
+        cache.ensure_capacity(span)
+        device = inputs_embeds.device
+        steps = torch.arange(k, device=device)
+        if lo == hi:  # all rows aligned (always so at batch size 1): plain slice writes
+            positions = (steps + lo)[None]  # [1, k]
+            mask = None if k == 1 else (torch.arange(span, device=device) <= positions[..., None])[:, None]
+
+            def kv_write_at(layer: int):
+                def write(key, value):
+                    cache.k[layer][:, :, lo:span] = key
+                    cache.v[layer][:, :, lo:span] = value
+                    return cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+
+                return write
+        else:
+            positions = cache.lengths[:, None] + steps  # [B, k]
+            mask = (torch.arange(span, device=device) <= positions[..., None])[:, None]  # [B, 1, k, S]
+            rows = torch.arange(b, device=device)[:, None]
+
+            def kv_write_at(layer: int):
+                def write(key, value):
+                    # key [B, n_kv, k, D] -> indexed target [B, k, n_kv, D]
+                    cache.k[layer][rows, :, positions] = key.transpose(1, 2)
+                    cache.v[layer][rows, :, positions] = value.transpose(1, 2)
+                    return cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+
+                return write
+
+        cos, sin = self._rope(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, kv_write_at(i))
+        cache.lengths = cache.lengths + (k if num_new is None else num_new.to(cache.lengths.device))
+        return self.norm(x)

@@ -1,0 +1,87 @@
+"""LlasaLM reads a real-format LLaSA dir and computes HF LlamaForCausalLM's logits on the speech slice."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ssd.decoding.interface import SpeechLM  # noqa: E402
+from ssd.models.draft import build_draft  # noqa: E402
+from ssd.models.llasa import LlasaLM  # noqa: E402
+from tests.fixtures_models import TINY_LLASA_SPEECH_TOKENS, tiny_llasa_dir  # noqa: E402,F401
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llasa_dir):  # noqa: F811
+    return LlasaLM.from_dir(tiny_llasa_dir)
+
+
+def test_ids_come_from_the_tokenizer(model):
+    assert isinstance(model, SpeechLM)
+    tok = model.tokenizer
+    assert model.speech_offset == tok.convert_tokens_to_ids("<|s_0|>")
+    assert model.speech_end_id == tok.convert_tokens_to_ids("<|SPEECH_GENERATION_END|>")
+    assert model.num_speech_tokens == TINY_LLASA_SPEECH_TOKENS
+    assert model.vocab_size == TINY_LLASA_SPEECH_TOKENS + 1 and model.stop_tokens == (
+        TINY_LLASA_SPEECH_TOKENS,
+    )
+
+
+def test_prompt_format(model):
+    prompt = model.make_prompt(["bin blue"], ["lay green"], [[1, 2]])
+    text = model.tokenizer.decode(prompt.input_ids[0])
+    assert (
+        "convert the text to speech : <|TEXT_UNDERSTANDING_START|> lay green bin blue <|TEXT_UNDERSTANDING_END|>"
+        in text
+    )
+    assert text.endswith("assistant <|end_header_id|> <|SPEECH_GENERATION_START|> <|s_1|> <|s_2|>")
+
+
+def test_logits_equal_hf_llama_on_the_speech_slice(model, tiny_llasa_dir):  # noqa: F811
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_llasa_dir), local_files_only=True).eval()
+    columns = list(range(model.speech_offset, model.speech_offset + model.num_speech_tokens)) + [
+        model.speech_end_id
+    ]
+    prompt = model.make_prompt(["bin blue at zero", "set red"], ["lay green", ""], [[1, 2], []])
+    generated = torch.tensor([[4, 39, 40], [0, 7, 7]])  # 40 = EOS, fed back as <|SPEECH_GENERATION_END|>
+    cache, first = model.prefill(prompt, 4)
+    steps = model.extend(cache, generated)
+    for row in range(2):
+        ids = torch.cat([prompt.input_ids[row], model.to_global_ids(generated[row])])
+        with torch.no_grad():
+            ref = hf(input_ids=ids[None]).logits[0, :, columns]
+        n = prompt.input_ids[row].numel()
+        torch.testing.assert_close(first[row], ref[n - 1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(steps[row], ref[n:], atol=1e-5, rtol=1e-4)
+
+
+def test_tied_head_becomes_a_separate_trainable_draft_head(model):
+    assert model.lm_head.weight.data_ptr() == model.backbone.embed_tokens.weight.data_ptr()
+    draft = build_draft(model, layers=[0, 2], trainable=["head"])
+    assert draft.lm_head.weight.requires_grad and not draft.backbone.embed_tokens.weight.requires_grad
+    assert draft.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
+
+
+def test_bad_dirs_are_clear_errors(tiny_llasa_dir, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(ValueError, match="LLASA_DIR"):
+        LlasaLM.from_dir(None)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LlasaLM.from_dir(tmp_path)
+    import shutil
+
+    bad = shutil.copytree(tiny_llasa_dir, tmp_path / "bad")
+    state = load_file(str(bad / "model.safetensors"))
+    del state["model.norm.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors.*missing keys: model.norm.weight"):
+        LlasaLM.from_dir(bad)
