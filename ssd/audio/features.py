@@ -1,0 +1,121 @@
+"""Audio loading, resampling and the Whisper-style log-mel that CosyVoice 2's speech tokenizer reads.
+
+The log-mel reproduces `whisper.log_mel_spectrogram(audio, n_mels=128)` (the call CosyVoice's frontend
+makes) without depending on openai-whisper: 16 kHz input, 25 ms Hann window (n_fft 400), 10 ms hop
+(160), |STFT|^2 without the last frame, Slaney mel filterbank, log10 with a 1e-10 floor, dynamic range
+clamped to 8 (i.e. 80 dB) below the maximum, then (x + 4) / 4.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import gcd
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+from scipy.signal import resample_poly
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+N_MELS = 128
+FRAME_RATE = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
+
+
+def _hz_to_mel(freq: np.ndarray) -> np.ndarray:
+    # Slaney's auditory-toolbox scale (librosa's default, htk=False): linear below 1 kHz, log above.
+    f_sp = 200.0 / 3
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    logstep = np.log(6.4) / 27.0
+    freq = np.asarray(freq, dtype=np.float64)
+    mel = freq / f_sp
+    above = freq >= min_log_hz
+    mel[above] = min_log_mel + np.log(freq[above] / min_log_hz) / logstep
+    return mel
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    f_sp = 200.0 / 3
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    logstep = np.log(6.4) / 27.0
+    mel = np.asarray(mel, dtype=np.float64)
+    freq = f_sp * mel
+    above = mel >= min_log_mel
+    freq[above] = min_log_hz * np.exp(logstep * (mel[above] - min_log_mel))
+    return freq
+
+
+@lru_cache(maxsize=8)
+def mel_filterbank(n_mels: int = N_MELS, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> torch.Tensor:
+    """Slaney-normalised triangular mel filters, float32 [n_mels, n_fft // 2 + 1].
+
+    Same formula as `librosa.filters.mel(sr, n_fft, n_mels)` (fmin 0, fmax sr/2, htk=False,
+    norm="slaney"), which is how Whisper's `mel_filters.npz` was made. Written out here (25 lines) so
+    the project needs neither librosa nor openai-whisper at runtime.
+    """
+    fft_freqs = np.linspace(0.0, sample_rate / 2, 1 + n_fft // 2)
+    mel_edges = _mel_to_hz(
+        np.linspace(_hz_to_mel(np.array([0.0]))[0], _hz_to_mel(np.array([sample_rate / 2]))[0], n_mels + 2)
+    )
+    edge_gaps = np.diff(mel_edges)
+    ramps = mel_edges[:, None] - fft_freqs[None, :]
+    lower = -ramps[:-2] / edge_gaps[:-1, None]
+    upper = ramps[2:] / edge_gaps[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (mel_edges[2:] - mel_edges[:-2]))[:, None]  # equal area per filter
+    return torch.from_numpy(weights.astype(np.float32))
+
+
+def whisper_log_mel(audio: np.ndarray | torch.Tensor, n_mels: int = N_MELS) -> torch.Tensor:
+    """Whisper log-mel of 16 kHz audio [..., samples] -> float32 [..., n_mels, samples // 160].
+
+    Like Whisper, the 8-unit dynamic-range clamp uses the maximum over the whole input tensor, so a
+    batch gives the same numbers as one call per row only if the rows share a maximum; call it per
+    utterance (as CosyVoice does) when that matters.
+    """
+    audio = torch.as_tensor(audio, dtype=torch.float32)
+    if audio.shape[-1] <= N_FFT // 2:  # the STFT's reflect padding needs more than half a window
+        raise ValueError(
+            f"whisper_log_mel needs more than {N_FFT // 2} samples, got {audio.shape[-1]} (empty audio?)"
+        )
+    window = torch.hann_window(N_FFT, device=audio.device)
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, return_complex=True)
+    power = stft[..., :-1].abs() ** 2
+    mel = mel_filterbank(n_mels).to(audio.device) @ power
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return (log_spec + 4.0) / 4.0
+
+
+def resample(wav: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Polyphase resampling (scipy's `resample_poly`) of mono float audio; float32 out."""
+    wav = np.asarray(wav, dtype=np.float32)
+    if wav.ndim != 1:
+        raise ValueError(f"resample expects mono audio of shape [samples], got shape {wav.shape}")
+    if orig_sr <= 0 or target_sr <= 0:
+        raise ValueError(f"sample rates must be positive, got orig_sr={orig_sr}, target_sr={target_sr}")
+    if orig_sr == target_sr:
+        return wav
+    common = gcd(int(orig_sr), int(target_sr))
+    return resample_poly(wav, target_sr // common, orig_sr // common).astype(np.float32)
+
+
+def load_audio(path: str | Path, target_sr: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int]:
+    """Read an audio file as mono float32 (channels averaged), resampled to `target_sr` unless None.
+
+    Returns (wav, sample_rate). Unreadable files raise ValueError naming the file.
+    """
+    try:
+        wav, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, OSError) as err:
+        raise ValueError(f"cannot read audio file {path}: {err}") from err
+    wav = wav.mean(axis=1)
+    if wav.size == 0:
+        raise ValueError(f"audio file {path} has no samples")
+    if target_sr is not None and sr != target_sr:
+        wav, sr = resample(wav, sr, target_sr), target_sr
+    return wav, sr

@@ -1,0 +1,74 @@
+"""Whisper-style log-mel and resampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from ssd.audio.features import load_audio, mel_filterbank, resample, whisper_log_mel
+
+
+def _speechlike(seconds, sr=16000, seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    wav = 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.05 * rng.standard_normal(
+        t.size
+    )
+    wav[: sr // 10] = 0.0  # a silent stretch exercises the 1e-10 floor and the 8-unit clamp
+    return wav.astype(np.float32)
+
+
+def test_filterbank_equals_whispers_shipped_filters():
+    whisper = pytest.importorskip("whisper")
+    shipped = whisper.audio.mel_filters("cpu", 128)
+    assert mel_filterbank(128).shape == (128, 201)
+    torch.testing.assert_close(mel_filterbank(128), shipped, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(mel_filterbank(80), whisper.audio.mel_filters("cpu", 80), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("seconds", [0.5, 3.0, 7.31])
+def test_log_mel_equals_whisper(seconds):
+    whisper = pytest.importorskip("whisper")
+    wav = _speechlike(seconds, seed=int(seconds * 100))
+    ours = whisper_log_mel(wav)
+    reference = whisper.log_mel_spectrogram(wav, n_mels=128)
+    assert ours.shape == reference.shape == (128, int(seconds * 16000) // 160)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(whisper_log_mel(torch.from_numpy(wav)[None])[0], reference, rtol=0, atol=1e-5)
+
+
+def test_log_mel_range_and_empty_input():
+    mel = whisper_log_mel(_speechlike(1.0))
+    assert mel.dtype == torch.float32
+    assert float(mel.max() - mel.min()) <= 2.0 + 1e-6  # the 8-unit (80 dB) clamp, after the /4 scaling
+    with pytest.raises(ValueError, match="empty audio"):
+        whisper_log_mel(np.zeros(0, np.float32))
+    with pytest.raises(ValueError, match="more than 200 samples, got 150"):
+        whisper_log_mel(np.zeros(150, np.float32))
+
+
+def test_resample_keeps_a_tone_and_the_duration():
+    sr_in = 44100
+    t = np.arange(sr_in) / sr_in
+    out = resample(np.sin(2 * np.pi * 1000 * t), sr_in, 16000)
+    assert out.dtype == np.float32 and out.shape == (16000,)
+    spectrum = np.abs(np.fft.rfft(out))
+    assert abs(np.argmax(spectrum) - 1000) <= 1  # 1 Hz bins over one second
+    np.testing.assert_array_equal(resample(out, 16000, 16000), out)
+    with pytest.raises(ValueError, match="mono"):
+        resample(np.zeros((2, 100)), 16000, 8000)
+
+
+def test_load_audio_mixes_down_resamples_and_names_bad_files(tmp_path):
+    stereo = np.stack([_speechlike(1.0, sr=24000), np.zeros(24000, np.float32)], axis=1)
+    sf.write(tmp_path / "a.wav", stereo, 24000)
+    wav, sr = load_audio(tmp_path / "a.wav")
+    assert sr == 16000 and wav.shape == (16000,) and wav.dtype == np.float32
+    native, native_sr = load_audio(tmp_path / "a.wav", target_sr=None)
+    assert native_sr == 24000
+    np.testing.assert_allclose(native, stereo.mean(axis=1), atol=1e-4)  # PCM16 quantisation
+    (tmp_path / "bad.wav").write_bytes(b"RIFF not really a wav")
+    with pytest.raises(ValueError, match="bad.wav"):
+        load_audio(tmp_path / "bad.wav")
