@@ -265,6 +265,8 @@ class PCGRule(AcceptanceRule):
 
     def verify_groups(self, p, q, x, generator=None):
         """verify() plus the group label [B] of the token emitted at the first draft position."""
+        if self.neighbors.device != x.device:
+            self.to(x.device)
         batch, k = x.shape
         labels = self._uniform_member(x, generator)  # [B, k], ~ P_c at each position
         pc, qc = self.coarse_mass(p, labels), self.coarse_mass(q[:, :k], labels)
