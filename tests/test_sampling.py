@@ -151,3 +151,18 @@ def test_bad_config_values_fail_clearly():
         SamplingConfig(nucleus="topk")
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=1.5)
+
+
+def test_resample_mode_survives_a_nucleus_of_stop_tokens_only():
+    """Upstream's redraw loop would give up; the law falls back to masking those tokens."""
+    logits = torch.tensor([[0.0, 0.1, 0.2, 9.0]], dtype=torch.float64)
+    cfg = SamplingConfig(top_k=1, nucleus="cosyvoice", stop_tokens=(3,), eos_mode="resample")
+    law = distribution(cfg, logits, step=0, min_len=2)
+    masked = distribution(
+        SamplingConfig(top_k=1, nucleus="cosyvoice", stop_tokens=(3,), eos_mode="mask"),
+        logits,
+        step=0,
+        min_len=2,
+    )
+    torch.testing.assert_close(law, masked)
+    assert law[0].tolist() == [0, 0, 1, 0]

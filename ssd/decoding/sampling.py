@@ -11,7 +11,7 @@ analytic certificates pass float64).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -112,7 +112,15 @@ def distribution(
     if forbid_stop is not None and cfg.eos_mode == "resample":
         law = law.clone()
         law[forbid_stop.nonzero()[:, :1], stop] = 0.0
-        law = law / law.sum(-1, keepdim=True)
+        mass = law.sum(-1, keepdim=True)
+        hopeless = mass.squeeze(-1) == 0
+        if hopeless.any():
+            # The whole law sat on stop tokens: upstream's redraw loop gives up (raises) after
+            # 100 tries; we take the masked law for those rows instead of failing the batch.
+            masked = distribution(replace(cfg, eos_mode="mask"), logits[hopeless], None if window is None
+                                  else window[hopeless], step[hopeless], min_len[hopeless])  # fmt: skip
+            law[hopeless], mass[hopeless] = masked, 1.0
+        law = law / mass
     return law
 
 
