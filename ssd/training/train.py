@@ -1,0 +1,205 @@
+"""`train(cfg)`: the function behind `python train_draft.py` (and the toy-world builder's LM stages).
+
+Builds the target from `cfg.target.model`, the draft from `cfg.draft` (or trains the target itself
+when `cfg.train_target`), the DataModule from `cfg.data`, loggers from `cfg.logger`, a Trainer from
+`cfg.trainer`; measures dev metrics before training, trains, measures again and exports the model.
+
+Run directory (`cfg.output_dir`):
+    checkpoints/last.ckpt          Lightning checkpoint (trainable tensors + optimizer + loop state):
+                                   a rerun into the same directory resumes from it
+    checkpoints/draft-best.pt      best dev alpha so far, draft format of ssd.models.draft.save_draft
+    draft.pt | target/             the final model (draft checkpoint, or a CosyVoice 2 model dir)
+    before_training.json           dev metrics before the first step (kept across resumes)
+    metrics.json                   what train() returns
+    csv/version_N/metrics.csv      CSV log (one version per run or resume), wandb/: W&B mirror
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from ssd.models.draft import describe, save_draft
+from ssd.training.module import SpeechLMTrainingModule
+from ssd.training.schema import OptimConfig, validate_train_config
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+BEFORE_FILE = "before_training.json"
+
+
+def is_draft(model: torch.nn.Module) -> bool:
+    return getattr(model, "draft_recipe", None) is not None
+
+
+def export_model(model: torch.nn.Module, path: str | Path) -> Path:
+    """A draft -> save_draft's file at `path`; a target -> its own model-dir format at `path`."""
+    if is_draft(model):
+        return save_draft(path, model)
+    if not hasattr(model, "save_dir"):
+        raise TypeError(f"{type(model).__name__} has no save_dir(): cannot export a trained target")
+    return model.save_dir(path)
+
+
+class ExportCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint's when-and-which logic (monitor, top-k, every n steps) writing the model's own
+    format (draft checkpoint: trainable tensors + recipe; target: model dir) instead of a Lightning
+    checkpoint. Overrides only the method that writes a file (Lightning 2.x `_save_checkpoint`)."""
+
+    def __init__(self, draft: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.FILE_EXTENSION = ".pt" if draft else ""
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            export_model(trainer.lightning_module.model, filepath)
+        trainer.strategy.barrier()
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+
+
+def wandb_offline() -> bool:
+    """Online only with a key (WANDB_API_KEY) or WANDB_MODE=online: never a login prompt."""
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "dryrun", "disabled"):
+        return True
+    return not (mode == "online" or os.environ.get("WANDB_API_KEY"))
+
+
+def build_loggers(logger_cfg: DictConfig | None) -> list[Logger]:
+    """One Lightning logger per `_target_` entry of cfg.logger (`logger=none` gives none).
+
+    A WandbLogger with `offline: null` goes offline unless a key is set (see wandb_offline)."""
+    loggers: list[Logger] = []
+    for name, node in (logger_cfg or {}).items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ValueError(f"config logger.{name} must be a node with _target_ (a Lightning logger)")
+        kwargs = {}
+        if node._target_.endswith("WandbLogger") and node.get("offline") is None:
+            kwargs["offline"] = wandb_offline()
+        loggers.append(instantiate(node, **kwargs))
+    return loggers
+
+
+def build_models(cfg: DictConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(model to train, frozen teacher or None)."""
+    target = instantiate(cfg.target.model)
+    if cfg.train_target:
+        target.requires_grad_(True)
+        return target, None
+    return instantiate(cfg.draft, target=target), target
+
+
+def _dev_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(v) for k, v in (results[0] if results else {}).items() if k.startswith("dev/")}
+
+
+def _final_line(model_is_draft: bool, before: dict[str, float], after: dict[str, float]) -> str:
+    def pair(key: str) -> str:
+        then = before.get(key)
+        return f"{after[key]:.3f}" + (f" (before training: {then:.3f})" if then is not None else "")
+
+    if model_is_draft and "dev/alpha_softmax" in after:
+        line = f"draft dev alpha (sum min(p,q), softmax): {pair('dev/alpha_softmax')}"
+        if "dev/alpha_target_sampling" in after:
+            line += f"; with the target's sampling transform: {pair('dev/alpha_target_sampling')}"
+        return line + f"; top-1 agreement {pair('dev/top1_agreement')}"
+    return f"{'draft' if model_is_draft else 'target'} dev CE: {pair('dev/ce')}; token accuracy {pair('dev/acc')}"
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train a draft (or, with train_target=true, the target) as configured; see the module doc.
+
+    Returns the dev metrics after training (`dev/...`), before training (`before/dev/...`),
+    `global_step` and `export_path` (the final draft.pt or target dir)."""
+    cfg = validate_train_config(cfg)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model, teacher = build_models(cfg)
+    # Seed after the models are loaded: some loaders re-seed global RNGs (REFERENCE §2.4).
+    L.seed_everything(cfg.seed, workers=True)
+    rank_zero_info(describe(model))
+
+    sampling = None
+    if cfg.agreement_sampling and teacher is not None and cfg.target.get("sampling") is not None:
+        sampling = instantiate(cfg.target.sampling)
+    module = SpeechLMTrainingModule(
+        model,
+        teacher,
+        optim=OmegaConf.to_object(cfg.optim) if isinstance(cfg.optim, DictConfig) else OptimConfig(),
+        max_steps=cfg.max_steps,
+        kd_weight=cfg.kd_weight,
+        kd_temperature=cfg.kd_temperature,
+        agreement_sampling=sampling,
+    )
+    datamodule = instantiate(cfg.data)
+    loggers = build_loggers(cfg.logger)
+    ckpt_dir = output_dir / CHECKPOINT_DIR
+    draft = is_draft(model)
+    monitor = ("dev/alpha_softmax", "max") if draft and teacher is not None else ("dev/ce", "min")
+    callbacks = [
+        # last.ckpt (resume): every validation, and explicitly after the last step.
+        ModelCheckpoint(dirpath=ckpt_dir, filename=LAST_CHECKPOINT.removesuffix(".ckpt"), save_top_k=1,
+                        every_n_train_steps=cfg.val_every_steps, enable_version_counter=False),
+        ExportCheckpoint(draft, dirpath=ckpt_dir, filename=f"{'draft' if draft else 'target'}-best",
+                         monitor=monitor[0], mode=monitor[1], save_top_k=1, enable_version_counter=False),
+        LearningRateMonitor(logging_interval="step"),
+    ]  # fmt: skip
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(RichProgressBar())
+    trainer: L.Trainer = instantiate(
+        cfg.trainer,
+        max_steps=cfg.max_steps,
+        val_check_interval=cfg.val_every_steps,
+        check_val_every_n_epoch=None,  # validation counts global steps, across epochs
+        logger=loggers or False,
+        callbacks=callbacks,
+        default_root_dir=str(output_dir),
+        use_distributed_sampler=False,  # the DataModule's batch sampler deals batches to ranks
+    )
+    for logger in loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    last = ckpt_dir / LAST_CHECKPOINT
+    ckpt_path = cfg.ckpt_path or (str(last) if last.is_file() else None)
+    before_path = output_dir / BEFORE_FILE
+    if ckpt_path is None or not before_path.is_file():
+        # fit() loads ckpt_path later: this measures the model as built, i.e. before any training.
+        before = _dev_metrics(trainer.validate(module, datamodule=datamodule, verbose=False))
+        if trainer.is_global_zero:
+            before_path.write_text(json.dumps(before, indent=1))
+    else:
+        rank_zero_info(f"resuming from {ckpt_path}")
+        before = json.loads(before_path.read_text())
+
+    # Frozen modules are in eval mode on purpose (SpeechLMTrainingModule.train); Lightning warns about it.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # weights_only=False: last.ckpt holds loop and callback state, written by this code for this run.
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+    trainer.save_checkpoint(last)
+    after = _dev_metrics(trainer.validate(module, datamodule=datamodule, verbose=False))
+
+    export_path = output_dir / ("draft.pt" if draft else "target")
+    metrics: dict[str, Any] = {**after, **{f"before/{k}": v for k, v in before.items()}}
+    metrics.update(global_step=trainer.global_step, export_path=str(export_path))
+    if trainer.is_global_zero:
+        export_model(model, export_path)
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        for logger in loggers:
+            logger.log_metrics({f"final/{k}": v for k, v in after.items()}, step=trainer.global_step)
+            logger.save()
+            if isinstance(logger, WandbLogger):
+                logger.experiment.finish()  # the next train() in this process starts a new run
+    rank_zero_info(_final_line(draft, before, after))
+    return metrics

@@ -1,0 +1,252 @@
+"""The training module and train(): frozen tensors, loss, KD, agreement, resume (tiny CosyVoice 2 format)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from ssd.data.prepare import SHARD_SCHEMA
+from ssd.decoding.sampling import SamplingConfig
+from ssd.models.cosyvoice2 import CosyVoice2LM
+from ssd.models.draft import build_draft, load_draft
+from ssd.training.data import TokenShardDataModule, pad_collate
+from ssd.training.module import SpeechLMTrainingModule
+from ssd.training.schema import OptimConfig, register_schema, validate_train_config
+from tests.fixtures_models import TINY_SPEECH_TOKENS, make_tiny_cosyvoice2_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+STOP_TOKENS = f"[{TINY_SPEECH_TOKENS},{TINY_SPEECH_TOKENS + 1},{TINY_SPEECH_TOKENS + 2}]"
+
+
+def write_micro_shards(out_dir: Path, n_utts: int = 64, seed: int = 0) -> Path:
+    """Learnable synthetic shards in SHARD_SCHEMA (what ssd.data.prepare writes): each text token w
+    is spoken as the run 3w, 3w+1, 3w+2; 8 speakers, two of them in dev-clean."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in range(n_utts):
+        speaker = str(n % 8)
+        words = rng.integers(0, 20, rng.integers(2, 6))
+        speech = np.concatenate([[3 * w, 3 * w + 1, 3 * w + 2] for w in words]) % TINY_SPEECH_TOKENS
+        rows.append(
+            {"utt": f"{speaker}_1_{n:06d}", "speaker": speaker,
+             "subset": "dev-clean" if speaker in ("6", "7") else "train-clean-100", "text": "x",
+             "text_tokens": words.tolist(), "speech_tokens": speech.tolist(), "duration": 1.0}
+        )  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(0, n_utts, 32):
+        table = pa.Table.from_pylist(rows[i : i + 32], schema=SHARD_SCHEMA)
+        pq.write_table(table, out_dir / f"shard-{i // 32:05d}.parquet")
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def micro_world(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("micro_world")
+    return {
+        "target": make_tiny_cosyvoice2_dir(root / "target"),
+        "shards": write_micro_shards(root / "shards"),
+    }
+
+
+def compose_train_config(world: dict[str, Path], output_dir: Path, *overrides: str):
+    """train_draft.yaml composed as the CLI would, pointed at the micro world."""
+    register_schema()
+    base = [
+        f"target.model.model_dir={world['target']}",
+        f"target.sampling.stop_tokens={STOP_TOKENS}",
+        f"data.shard_dirs={world['shards']}",
+        "data.max_tokens=200",
+        f"output_dir={output_dir}",
+        "logger=csv",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("train_draft", overrides=base + list(overrides))
+
+
+def _datamodule(world) -> TokenShardDataModule:
+    return TokenShardDataModule(world["shards"], max_tokens=200, dev_subsets=["dev-clean"])
+
+
+def _fit(module, world, steps: int, callbacks=()) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=list(callbacks),
+    )  # fmt: skip
+    trainer.fit(module, datamodule=_datamodule(world))
+    return trainer
+
+
+def _draft(target, layers=(0, 1, -1), trainable=("layers.0", "head")):
+    return build_draft(target, layers, trainable)
+
+
+def _all_batches(world, split="train"):
+    dm = _datamodule(world)
+    dm.setup()
+    data = dm.train_set if split == "train" else dm.dev_set
+    return [pad_collate([data[i] for i in range(j, min(j + 8, len(data)))]) for j in range(0, len(data), 8)]
+
+
+class _ModeProbe(L.Callback):
+    def __init__(self):
+        self.modes = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        layers = module.model.backbone.layers
+        self.modes.append((layers[0].training, layers[1].training, module.model.speech_embedding.training,
+                           module.model.llm_decoder.training, module.teacher.training))  # fmt: skip
+
+
+def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(micro_world):
+    target = CosyVoice2LM.from_dir(micro_world["target"])
+    draft = _draft(target)
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    draft_before = {k: v.clone() for k, v in draft.named_parameters()}
+    module = SpeechLMTrainingModule(draft, target, optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=4,
+                                    kd_weight=0.5)  # fmt: skip
+    probe = _ModeProbe()
+    _fit(module, micro_world, steps=4, callbacks=[probe])
+
+    changed = {k for k, p in draft.named_parameters() if not torch.equal(p, draft_before[k])}
+    trainable = {k for k, p in draft.named_parameters() if p.requires_grad}
+    assert trainable and changed == trainable  # every trained tensor moved, nothing else did
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, target_before[key]), f"target tensor {key} changed"
+    assert all(m == (True, False, False, True, False) for m in probe.modes) and len(probe.modes) == 4
+
+
+def test_training_lowers_the_loss_on_micro_data(micro_world):
+    target = CosyVoice2LM.from_dir(micro_world["target"])
+    module = SpeechLMTrainingModule(target, optim=OptimConfig(lr=3e-3, warmup_steps=5), max_steps=60)
+    batches = _all_batches(micro_world)
+
+    def mean_ce():
+        with torch.no_grad():
+            return float(np.mean([module.compute(b, with_teacher=False)["ce"].item() for b in batches]))
+
+    before = mean_ce()
+    _fit(module, micro_world, steps=60)
+    after = mean_ce()
+    assert after < before - 0.5, (before, after)
+
+
+def test_kd_is_zero_and_agreement_perfect_when_draft_equals_target(micro_world):
+    target = CosyVoice2LM.from_dir(micro_world["target"])
+    sampling = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10,
+                              stop_tokens=(61, 62, 63), eos_mode="resample")  # fmt: skip
+    same = _draft(target, layers=range(4), trainable=("head",))
+    module = SpeechLMTrainingModule(same, target, kd_weight=0.5, agreement_sampling=sampling)
+    batch = _all_batches(micro_world, "dev")[0]
+    out = module.compute(batch, with_teacher=True)
+    assert out["kl"].abs().item() < 1e-6
+    agree = module.agreement(out["logits"], out["teacher_logits"], batch)
+    assert agree["alpha_softmax"].item() == pytest.approx(1.0, abs=1e-5)
+    assert agree["alpha_target_sampling"].item() == pytest.approx(1.0, abs=1e-5)
+    assert agree["top1_agreement"].item() == 1.0
+
+    shallow = SpeechLMTrainingModule(_draft(target), target, kd_weight=0.5, agreement_sampling=sampling)
+    out = shallow.compute(batch, with_teacher=True)
+    reference = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=out["teacher_logits"]),
+        torch.distributions.Categorical(logits=out["logits"]),
+    ).mean()
+    assert out["kl"].item() == pytest.approx(reference.item(), rel=1e-4) and out["kl"].item() > 1e-3
+    assert out["loss"].item() == pytest.approx(0.5 * out["ce"].item() + 0.5 * out["kl"].item(), rel=1e-5)
+    alpha = shallow.agreement(out["logits"], out["teacher_logits"], batch)["alpha_softmax"].item()
+    assert 0.0 < alpha < 0.999
+
+
+def test_sampling_context_gives_each_position_its_teacher_forced_window():
+    batch = {
+        "speech_tokens": torch.tensor([[5, 6, 7], [8, 0, 0]]),
+        "speech_lens": torch.tensor([3, 1]),
+        "text_lens": torch.tensor([2, 4]),
+    }
+    windows, steps, min_len = SpeechLMTrainingModule.sampling_context(batch, window_size=2)
+    # row 0 scores 4 positions (3 tokens + EOS), row 1 scores 2, in row-major order
+    assert windows.tolist() == [[-1, -1], [-1, 5], [5, 6], [6, 7], [-1, -1], [-1, 8]]
+    assert steps.tolist() == [0, 1, 2, 3, 0, 1]
+    assert min_len.tolist() == [4, 4, 4, 4, 8, 8]
+
+
+def test_sampling_stop_tokens_must_fit_the_head(micro_world):
+    target = CosyVoice2LM.from_dir(micro_world["target"])
+    with pytest.raises(ValueError, match="target.sampling.stop_tokens"):
+        SpeechLMTrainingModule(_draft(target), target, agreement_sampling=SamplingConfig(stop_tokens=(1024,)))
+
+
+def _adam_steps(ckpt: dict) -> set[int]:
+    return {int(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
+
+
+def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(micro_world, tmp_path):
+    from ssd.training.train import train
+
+    run = tmp_path / "run"
+    first = train(compose_train_config(micro_world, run, "max_steps=6", "val_every_steps=3"))
+    assert first["global_step"] == 6
+    assert 0.0 < first["before/dev/alpha_softmax"] < 1.0 and 0.0 < first["dev/alpha_softmax"] < 1.0
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    target = CosyVoice2LM.from_dir(micro_world["target"])
+    draft = load_draft(run / "draft.pt", target)
+    trainable = {f"model.{k}" for k, p in draft.named_parameters() if p.requires_grad}
+    assert set(last["state_dict"]) == trainable  # last.ckpt holds the trained tensors only
+    for key, value in draft.named_parameters():
+        if value.requires_grad:
+            assert torch.equal(value, last["state_dict"][f"model.{key}"])
+    assert (run / "checkpoints" / "draft-best.pt").is_file()
+    assert _adam_steps(last) == {6}
+
+    second = train(compose_train_config(micro_world, run, "max_steps=10", "val_every_steps=3"))
+    assert second["global_step"] == 10
+    assert second["before/dev/alpha_softmax"] == first["before/dev/alpha_softmax"]  # kept from the first run
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert _adam_steps(resumed) == {10}  # AdamW's state continued from step 6, not restarted
+    assert resumed["lr_schedulers"][0]["last_epoch"] == 10
+    assert sorted(p.name for p in (run / "csv").iterdir()) == [
+        "version_0",
+        "version_1",
+    ]  # nothing overwritten
+
+
+def test_train_target_trains_all_parameters_and_writes_a_model_dir(micro_world, tmp_path):
+    from ssd.training.train import train
+
+    run = tmp_path / "target_run"
+    metrics = train(compose_train_config(micro_world, run, "train_target=true", "kd_weight=0", "max_steps=3",
+                                         "val_every_steps=3"))  # fmt: skip
+    assert metrics["dev/ce"] < metrics["before/dev/ce"]
+    trained = CosyVoice2LM.from_dir(run / "target")
+    original = CosyVoice2LM.from_dir(micro_world["target"])
+    moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, original.state_dict()[k])]
+    assert any(k.startswith("backbone.layers.0.") for k in moved) and "llm_decoder.weight" in moved
+
+
+def test_schema_rejects_typos_that_struct_mode_lets_through(micro_world, tmp_path):
+    cfg = compose_train_config(micro_world, tmp_path, "+data.max_tokenz=5")
+    with pytest.raises(
+        ValueError, match=r"config data: unknown key\(s\) \['max_tokenz'\].*TokenShardDataModule"
+    ):
+        validate_train_config(cfg)
+    appended = compose_train_config(micro_world, tmp_path, "+optim.lrr=1")  # Hydra's open_dict lets `+` in
+    with pytest.raises(ValueError, match=r"Key 'lrr' not in 'OptimConfig'"):
+        validate_train_config(appended)
+    with pytest.raises(ValueError, match="kd_weight > 0 needs a teacher"):
+        validate_train_config(
+            compose_train_config(micro_world, tmp_path, "train_target=true", "kd_weight=0.5")
+        )
+    with pytest.raises(ValueError, match="optim.schedule"):
+        validate_train_config(compose_train_config(micro_world, tmp_path, "optim.schedule=cosin"))
