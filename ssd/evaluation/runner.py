@@ -1,0 +1,606 @@
+"""The evaluation runner: one run = one decoding setting over one zero-shot test list.
+
+`evaluate(cfg, run_dir)`:
+  1. builds the test list (zero-shot pairs from a LibriTTS-layout corpus, `ssd.data.libritts`) and writes
+     it to the run dir; loads the judges (ASR, speaker), the target, the draft and the acceptance rule,
+     the speech tokenizer and the vocoder, ONCE (and caches them for the next job of a sweep in the same
+     process). Anything missing fails here, before any decoding.
+  2. per utterance: prompt = prompt text + the prompt audio's speech tokens; decode with the configured
+     `decoding.mode` (speculative | ar | draft_only) using a generator seeded from (seed, utt id), so
+     settings are comparable utterance by utterance; the LM stage alone is timed (CUDA-synchronised,
+     after one warm-up decode); vocode; WER (Whisper's English normaliser) and SIM against the PROMPT
+     audio; the record is appended to `utterances.jsonl` as soon as it is complete.
+  3. `metrics.json` from all records (resumed ones included), W&B mirror, a few wavs under `audio/`.
+
+Rerunning in the same run dir resumes: finished utterances are skipped, a half-written last line is
+dropped. A run dir that holds results of a different configuration is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import soundfile as sf
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ssd.evaluation.metrics import summarize
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "utterances.jsonl"
+METRICS_FILE = "metrics.json"
+TEST_LIST_FILE = "test_list.jsonl"
+CONFIG_FILE = "config.yaml"
+ERROR_FILE = "error.json"
+AUDIO_DIR = "audio"
+DECODING_MODES = ("speculative", "ar", "draft_only")
+# Keys that do not change what a run computes: a resumed run may differ in them.
+NON_RESULT_KEYS = ("logger", "baseline_dir", "progress", "output_dir")
+WARMUP_TOKENS = 16
+
+_LOADED: dict[str, tuple[str, Any]] = {}  # kind -> (config key, model): a sweep's jobs share models
+MAX_DIRNAME = 120
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
+    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
+    name = override_dirname.replace("/", "_") or "default"
+    if len(name) <= MAX_DIRNAME:
+        return name
+    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
+
+
+# configs/hydra/default.yaml names job dirs with it; registered on import, i.e. in every process that
+# runs a job (sweep.py imports this module; joblib/submitit workers import it to unpickle the task).
+if not OmegaConf.has_resolver("ssd.job_dirname"):
+    OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
+
+
+# --------------------------------------------------------------------------------------------------
+# Small pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def utterance_seed(seed: int, utt: str) -> int:
+    """The per-utterance RNG seed: a hash of (seed, utt id), so every setting draws the same stream."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{utt}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _cached(kind: str, key_cfg: Any, build: Callable[[], Any]) -> Any:
+    """The model of this kind loaded by an earlier job with the same config, else a fresh one (which
+    replaces the old, so a sweep over models holds one of each kind in memory)."""
+    key = json.dumps(_plain(key_cfg), sort_keys=True, default=str)
+    if kind not in _LOADED or _LOADED[kind][0] != key:
+        _LOADED.pop(kind, None)
+        _LOADED[kind] = (key, build())
+    return _LOADED[kind][1]
+
+
+def _instantiate(node: DictConfig, key: str, **kwargs: Any) -> Any:
+    """hydra's instantiate, with a missing file re-raised as FileNotFoundError naming the config key."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, FileNotFoundError):
+            raise FileNotFoundError(f"{key}: {err.__cause__}") from err
+        raise
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a results file; a half-written last line (a killed run) is cut off the file."""
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    records, good_end = [], 0
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+        good_end += len(line)
+    if good_end < len(raw):
+        log.warning("%s: dropping a half-written last record (%d bytes)", path, len(raw) - good_end)
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+    return records
+
+
+def _append_record(path: Path, record: dict) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _result_config(cfg: DictConfig) -> dict:
+    plain = _plain(cfg)
+    return {k: v for k, v in plain.items() if k not in NON_RESULT_KEYS}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def _check_resume(run_dir: Path, cfg: DictConfig) -> None:
+    """Refuse to mix results of two configurations in one run dir."""
+    saved_path = run_dir / CONFIG_FILE
+    if not (run_dir / RESULTS_FILE).is_file() or not saved_path.is_file():
+        return
+    saved = _flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(saved_path)).items()
+                      if k not in NON_RESULT_KEYS})  # fmt: skip
+    now = _flatten(_result_config(cfg))
+    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if differ:
+        raise ValueError(
+            f"run dir {run_dir} holds results of a different configuration (keys {differ[:8]} differ); "
+            "rerun with the same settings to resume, or choose a new output dir (hydra.run.dir / hydra.sweep.dir)"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Test list
+# --------------------------------------------------------------------------------------------------
+
+
+def build_test_list(eval_cfg: DictConfig) -> pd.DataFrame:
+    """Zero-shot pairs by the rule documented in `ssd.data.libritts` (settings from the eval config)."""
+    from ssd.data.libritts import make_zero_shot_pairs, scan_libritts
+
+    root = Path(str(eval_cfg.corpus_root))
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"eval.corpus_root={root} does not exist: point it at a LibriTTS-layout corpus "
+            "(the toy world builds one: python scripts/build_toy_world.py)"
+        )
+    manifest = scan_libritts(root, list(eval_cfg.subsets)).manifest
+    return make_zero_shot_pairs(
+        manifest,
+        n_utts=int(eval_cfg.n_utts),
+        n_speakers=int(eval_cfg.n_speakers),
+        prompt_sec=tuple(eval_cfg.prompt_sec),
+        target_sec=tuple(eval_cfg.target_sec),
+        seed=int(eval_cfg.pair_seed),
+    )
+
+
+def _write_or_check_test_list(run_dir: Path, pairs: pd.DataFrame) -> None:
+    from ssd.data.libritts import load_table, save_table
+
+    path = run_dir / TEST_LIST_FILE
+    if path.is_file():
+        saved = load_table(path)
+        if (
+            saved["utt"].tolist() != pairs["utt"].tolist()
+            or saved["prompt_utt"].tolist() != pairs["prompt_utt"].tolist()
+        ):
+            raise ValueError(
+                f"{path} differs from the test list the eval config builds now (corpus changed?)"
+            )
+        return
+    save_table(pairs, path)
+
+
+def wrong_sentence_texts(texts: list[str]) -> list[str]:
+    """For item i, the next item's text that differs from text i (cyclic): the 'ignores its text' reference."""
+    out = []
+    for i, text in enumerate(texts):
+        other = next((texts[(i + j) % len(texts)] for j in range(1, len(texts)) if texts[(i + j) % len(texts)] != text),
+                     None)  # fmt: skip
+        out.append(other)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Everything a run loads once
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalModels:
+    target: Any
+    sampling: Any
+    draft: Any
+    rule: Any
+    speech_tokenizer: Any
+    vocoder: Any
+    asr: Any
+    speaker: Any
+    language: Any  # GridLanguage for the toy world, else None
+
+
+def load_models(cfg: DictConfig) -> EvalModels:
+    """Judges first (their paths are the likeliest to be wrong), then the LM side; every check before decoding."""
+    from hydra.utils import instantiate
+
+    from ssd.audio.asr import load_asr
+    from ssd.audio.speaker import load_speaker_model
+    from ssd.audio.vocoder import load_vocoder
+    from ssd.data.prepare import load_speech_tokenizer
+
+    mode = cfg.decoding.mode
+    if mode not in DECODING_MODES:
+        raise ValueError(f"decoding.mode must be one of {DECODING_MODES}, got {mode!r}")
+    language = None
+    if cfg.eval.get("language") == "grid":
+        from ssd.data.grid_language import GridLanguage
+
+        slots_file = Path(str(cfg.eval.corpus_root)) / "language.json"  # the toy world records its language
+        slots = cfg.eval.get("slots")
+        if slots is None and slots_file.is_file():
+            slots = json.loads(slots_file.read_text())
+        language = GridLanguage(_plain(slots))
+    elif cfg.eval.get("language") is not None:
+        raise ValueError(f"eval.language must be null or 'grid', got {cfg.eval.language!r}")
+    slots = list(language.slots.values()) if language else None
+    asr = _cached("asr", {"asr": cfg.asr, "slots": slots}, lambda: load_asr(cfg.asr, closed_vocabulary=slots))
+    speaker = _cached("sim", cfg.sim, lambda: load_speaker_model(cfg.sim))
+    tok_cfg = cfg.speech_tokenizer
+    speech_tokenizer = _cached("tok", tok_cfg, lambda: load_speech_tokenizer(tok_cfg.kind, tok_cfg.path))
+    vocoder = _cached("vocoder", cfg.vocoder, lambda: load_vocoder(cfg.vocoder))
+    target = _cached("target", cfg.target.model, lambda: _instantiate(cfg.target.model, "target.model"))
+    sampling = instantiate(cfg.target.sampling)
+    codebook = getattr(speech_tokenizer, "codebook_size", None)
+    if codebook is not None and codebook != target.speech_token_size:
+        raise ValueError(
+            f"speech tokenizer at speech_tokenizer.path={tok_cfg.path} has {codebook} tokens but the target "
+            f"({cfg.target.name}) has speech_token_size={target.speech_token_size}: they must be one vocabulary"
+        )
+    stops = getattr(target, "stop_tokens", None)
+    if stops is not None and tuple(sampling.stop_tokens) != tuple(stops):
+        raise ValueError(
+            f"target.sampling.stop_tokens={list(sampling.stop_tokens)} but the loaded target's stop tokens are "
+            f"{list(stops)} (speech_token_size={target.speech_token_size}): set target.sampling.stop_tokens"
+        )
+    draft = rule = None
+    if mode in ("speculative", "draft_only"):
+        draft = _cached("draft", {"target": cfg.target.model, "draft": cfg.draft},
+                        lambda: _instantiate(cfg.draft, "draft", target=target))  # fmt: skip
+    if mode == "speculative":
+        extra = {}
+        if cfg.acceptance.name == "pcg":
+            with torch.no_grad():
+                vocab = torch.arange(target.vocab_size, device=target.device)
+                extra["embeddings"] = target.embed_speech(vocab).float()
+        rule = instantiate(cfg.acceptance, **extra)
+    return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language)
+
+
+# --------------------------------------------------------------------------------------------------
+# One utterance
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode(cfg: DictConfig, m: EvalModels, prompt, min_len, max_len, generator):
+    from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
+
+    mode = cfg.decoding.mode
+    if mode == "ar":
+        return decode_ar(m.target, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator)
+    if mode == "draft_only":
+        return decode_ar(m.draft, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator)
+    adaptive = None
+    if cfg.decoding.adaptive.enabled:
+        a = cfg.decoding.adaptive
+        adaptive = AdaptiveDraftLength(int(a.min_len), int(a.max_len), int(a.increase), int(a.decrease))
+    return decode_speculative(
+        m.target, m.draft, prompt, m.sampling, m.rule,
+        draft_len=int(cfg.decoding.draft_len), max_len=max_len, min_len=min_len,
+        adaptive=adaptive, generator=generator,
+    )  # fmt: skip
+
+
+def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -> tuple[Any, Any, Any, Any]:
+    from ssd.audio.features import load_audio
+    from ssd.audio.vocoder import VocoderPrompt
+
+    if pair.prompt_utt not in prompt_cache:
+        wav, sr = load_audio(pair.prompt_wav, None)
+        tokens = np.asarray(m.speech_tokenizer.encode(wav, sr), dtype=np.int64)
+        embedding = m.speaker.embed(wav, sr)
+        prompt_cache[pair.prompt_utt] = (VocoderPrompt(wav, sr, pair.prompt_text, tokens), embedding)
+    vprompt, embedding = prompt_cache[pair.prompt_utt]
+    prompt = m.target.make_prompt([pair.text], [pair.prompt_text], [vprompt.tokens.tolist()])
+    min_len, max_len = (int(x) for x in (t[0] for t in m.target.length_limits(prompt)))
+    if cfg.eval.get("max_len") is not None:
+        max_len = min(max_len, int(cfg.eval.max_len))
+        min_len = min(min_len, max_len)
+    return prompt, (min_len, max_len), vprompt, embedding
+
+
+def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: str | None, prompt_cache: dict):
+    """Decode, time, vocode and judge one test item; returns (record, generated waveform)."""
+    from ssd.audio.speaker import similarity
+    from ssd.evaluation.wer import utterance_wer
+
+    prompt, (min_len, max_len), vprompt, prompt_embedding = _prompt_for(cfg, m, pair, prompt_cache)
+    seed = utterance_seed(int(cfg.seed), pair.utt)
+    generator = torch.Generator(device=m.target.device).manual_seed(seed)
+    device = m.target.device
+    with torch.inference_mode():
+        _sync(device)
+        start = time.perf_counter()
+        result = _decode(cfg, m, prompt, min_len, max_len, generator)
+        _sync(device)
+        lm_time = time.perf_counter() - start
+    tokens = result.tokens[0]
+    stats = result.stats
+    token_rate = getattr(m.speech_tokenizer, "token_rate", 25)
+    wav = m.vocoder.vocode(np.asarray(tokens, dtype=np.int64), vprompt) if tokens else np.zeros(0, np.float32)
+    hypothesis = m.asr.transcribe(wav, m.vocoder.sample_rate) if wav.size else ""
+    scored = utterance_wer(pair.text, hypothesis)
+    try:
+        sim = similarity(m.speaker.embed(wav, m.vocoder.sample_rate), prompt_embedding)
+    except ValueError as err:  # too short or silent to embed: recorded as missing, counted in metrics
+        log.warning("%s: no SIM (%s)", pair.utt, err)
+        sim = None
+    record = {
+        "utt": pair.utt, "speaker": pair.speaker, "prompt_utt": pair.prompt_utt, "text": pair.text,
+        "seed": seed, "tokens": tokens, "n_tokens": len(tokens), "finish_reason": result.finish_reason[0],
+        "min_len": min_len, "max_len": max_len,
+        "lm_time": lm_time, "audio_sec": len(tokens) / token_rate,
+        "rtf": lm_time / (len(tokens) / token_rate) if tokens else None,
+        "time_prefill": stats.time_prefill, "time_draft": stats.time_draft,
+        "time_verify": stats.time_verify, "time_accept": stats.time_accept,
+        "target_calls": stats.target_calls, "draft_calls": stats.draft_calls, "rounds": stats.rounds,
+        "accepted_total": sum(n for r in stats.accepted_per_round for n in r),
+        "proposed": stats.proposed, "accepted": stats.accepted,
+        "overlap_sum": stats.overlap_sum, "tv_sum": stats.tv_sum,
+        "accepted_per_round": [r[0] if r else 0 for r in stats.accepted_per_round],
+        "draft_len_per_round": stats.draft_len_per_round,
+        "hypothesis": hypothesis, "errors": scored.errors, "ref_words": scored.ref_words, "wer": scored.wer,
+        "sim": sim,
+        # TV(output law, q) is known when the rule is exact (0) or the engine tracked it (inexact, O(V) law).
+        "tv_known": m.rule is None or m.rule.exact or m.rule.cheap_output_law,
+    }  # fmt: skip
+    if m.language is not None:
+        if wrong_text is not None:
+            wrong = utterance_wer(wrong_text, hypothesis)
+            record.update(wrong_text=wrong_text, wrong_errors=wrong.errors, wrong_ref_words=wrong.ref_words)
+        record["slot_correct"] = m.language.slot_correct(pair.text, hypothesis)
+    return record, wav
+
+
+def _warm_up(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -> None:
+    """One short untimed decode so lazy initialisation and caches do not land in the first timing."""
+    prompt, (min_len, _), _, _ = _prompt_for(cfg, m, pair, prompt_cache)
+    generator = torch.Generator(device=m.target.device).manual_seed(0)
+    with torch.inference_mode():
+        _decode(cfg, m, prompt, min(min_len, WARMUP_TOKENS), WARMUP_TOKENS, generator)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+def hydra_run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        raise ValueError("evaluate: pass run_dir= when not running under Hydra")
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
+    """Run (or resume) one evaluation into `run_dir` (default: Hydra's output dir); returns the metrics."""
+    run_dir = Path(run_dir) if run_dir is not None else hydra_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.copy()  # the caller's config stays as given; `output_dir` (logger configs use it) = run_dir
+    with open_dict(cfg):
+        cfg.output_dir = str(run_dir)
+    if cfg.eval.get("num_threads"):
+        torch.set_num_threads(int(cfg.eval.num_threads))
+    _check_resume(run_dir, cfg)
+
+    pairs = build_test_list(cfg.eval)
+    models = load_models(cfg)  # fails here, before any decoding, when a path is wrong
+    _write_or_check_test_list(run_dir, pairs)
+    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    results_path = run_dir / RESULTS_FILE
+    records = read_records(results_path)
+    done = {r["utt"] for r in records}
+    wrong_texts = wrong_sentence_texts(pairs["text"].tolist())
+    todo = [(i, p) for i, p in enumerate(pairs.itertuples(index=False)) if p.utt not in done]
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # one INFO line per utterance otherwise
+    log.info("%s: %d utterances, %d already done, %d to go", run_dir, len(pairs), len(done), len(todo))
+    n_audio = int(cfg.eval.get("num_audio_samples", 4))
+    audio_dir = run_dir / AUDIO_DIR
+    prompt_cache: dict = {}
+    if todo and cfg.eval.get("warmup", True):
+        _warm_up(cfg, models, todo[0][1], prompt_cache)
+    _run_loop(cfg, models, todo, wrong_texts, prompt_cache, records, results_path, audio_dir, n_audio)
+
+    metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
+    metrics.update(_run_labels(cfg))
+    if cfg.get("baseline_dir"):
+        metrics.update(speedup_vs(metrics, Path(str(cfg.baseline_dir))))
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    log_to_wandb(cfg, run_dir, metrics, records)
+    return metrics
+
+
+def _run_loop(
+    cfg, models, todo, wrong_texts, prompt_cache, records, results_path, audio_dir, n_audio
+) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(todo, desc=f"eval {cfg.decoding.mode}", unit="utt", disable=not cfg.get("progress", True))
+    for index, pair in bar:
+        record, wav = evaluate_utterance(cfg, models, pair, wrong_texts[index], prompt_cache)
+        if index < n_audio and wav.size:
+            audio_dir.mkdir(exist_ok=True)
+            sf.write(audio_dir / f"{pair.utt}.wav", wav, models.vocoder.sample_rate)
+        _append_record(results_path, record)
+        records.append(record)
+        lm_time, audio = sum(r["lm_time"] for r in records), sum(r["audio_sec"] for r in records)
+        proposed = sum(sum(r["proposed"]) for r in records)
+        postfix = {"RTF": f"{lm_time / audio:.3f}" if audio else "-"}
+        if proposed:
+            postfix["alpha"] = f"{sum(sum(r['accepted']) for r in records) / proposed:.3f}"
+        bar.set_postfix(postfix)
+    bar.close()
+
+
+def _run_labels(cfg: DictConfig) -> dict:
+    """The setting of a run, as the aggregation table shows it."""
+    mode = cfg.decoding.mode
+    labels = {
+        "decoding": mode,
+        "target": cfg.target.name,
+        "eval": cfg.eval.name,
+        "split": cfg.eval.get("split"),
+    }
+    if mode != "ar":
+        labels["draft"] = cfg.draft.get("name")
+    if mode == "speculative":
+        labels["acceptance"] = cfg.acceptance.name
+        labels["draft_len"] = int(cfg.decoding.draft_len)
+        labels["adaptive"] = bool(cfg.decoding.adaptive.enabled)
+        for key in ("beta", "theta"):
+            if key in cfg.acceptance:
+                labels[key] = float(cfg.acceptance[key])
+    return labels
+
+
+def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:
+    """Speedup = baseline LM-RTF / this run's LM-RTF (baseline: a finished run dir, usually decoding=ar)."""
+    path = baseline_dir / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"baseline_dir={baseline_dir} has no {METRICS_FILE}; run the baseline first")
+    baseline = json.loads(path.read_text())
+    return {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# W&B mirror (the run dir stays the source of truth)
+# --------------------------------------------------------------------------------------------------
+
+
+def wandb_settings(logger_cfg: Any) -> dict | None:
+    """The W&B settings in a logger config, or None when it does not log to W&B.
+
+    Accepts a Lightning WandbLogger config (flat or under a `wandb:` key) or `{backend: wandb, ...}`.
+    """
+    plain = _plain(logger_cfg) or {}
+    if not isinstance(plain, dict):
+        return None
+    section = plain.get("wandb", plain)
+    if not isinstance(section, dict):
+        return None
+    target = str(section.get("_target_", ""))
+    if "wandb" not in target.lower() and section.get("backend") != "wandb":
+        return None
+    return {k: section.get(k) for k in ("project", "entity", "group", "tags", "offline", "mode", "save_dir")}
+
+
+def _wandb_run_names() -> tuple[str | None, str | None]:
+    """(group, name): runs of one sweep share the sweep dir's name as group."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None, None
+    hc = HydraConfig.get()
+    if str(hc.mode) == "RunMode.MULTIRUN":
+        return Path(hc.sweep.dir).name, hc.job.override_dirname or f"job{hc.job.num}"
+    return None, Path(hc.runtime.output_dir).name
+
+
+def log_to_wandb(cfg: DictConfig, run_dir: Path, metrics: dict, records: list[dict]) -> None:
+    settings = wandb_settings(cfg.get("logger"))
+    if settings is None:
+        return
+    import wandb
+
+    offline = settings.get("offline")
+    mode = settings.get("mode") or {True: "offline", False: "online"}.get(offline)
+    if mode is None and not os.environ.get("WANDB_MODE"):  # offline without a key: never prompt for a login
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    group, name = _wandb_run_names()
+    run = wandb.init(
+        project=settings.get("project") or "ssd",
+        entity=settings.get("entity"),
+        group=settings.get("group") or group,
+        name=name,
+        tags=settings.get("tags"),
+        job_type="eval",
+        mode=mode,
+        dir=str(settings.get("save_dir") or run_dir),
+        config=_plain(cfg),
+        reinit="finish_previous",
+    )
+    try:
+        run.summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))})
+        for i, (alpha, beta) in enumerate(zip(metrics["alpha_per_position"], metrics["beta_per_position"])):
+            run.summary[f"alpha_pos{i + 1}"], run.summary[f"beta_pos{i + 1}"] = alpha, beta
+        columns = ["utt", "text", "hypothesis", "wer", "sim", "n_tokens", "rtf", "audio"]
+        table = wandb.Table(columns=columns)
+        n_audio = int(cfg.eval.get("num_audio_samples", 4))
+        for i, r in enumerate(records):
+            wav_path = run_dir / AUDIO_DIR / f"{r['utt']}.wav"
+            audio = wandb.Audio(str(wav_path)) if i < n_audio and wav_path.is_file() else None
+            table.add_data(
+                r["utt"], r["text"], r["hypothesis"], r["wer"], r["sim"], r["n_tokens"], r["rtf"], audio
+            )
+        run.log({"utterances": table})
+    finally:
+        run.finish()
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep's task function
+# --------------------------------------------------------------------------------------------------
+
+
+def run_job(cfg: DictConfig) -> dict | None:
+    """`evaluate` for a Hydra job. In a multirun a failure is written to `error.json` in the job's dir and
+    logged, and the sweep goes on (Hydra would otherwise stop at the first exception); a single run raises."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = hydra_run_dir()
+    try:
+        return evaluate(cfg, run_dir)
+    except Exception as err:
+        if str(HydraConfig.get().mode) != "RunMode.MULTIRUN":
+            raise
+        (run_dir / ERROR_FILE).write_text(
+            json.dumps(
+                {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}, indent=1
+            )
+        )
+        log.error("job %s FAILED (%s: %s); see %s. The sweep continues with the other jobs.",
+                  run_dir, type(err).__name__, err, run_dir / ERROR_FILE)  # fmt: skip
+        return None

@@ -1,0 +1,149 @@
+"""Aggregation of a sweep dir into tables and figures, and choosing beta / L_d on the dev split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ssd.evaluation.aggregate import aggregate, load_runs, matching_row, select_setting
+from ssd.evaluation.metrics import summarize
+from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE
+from tests.fixtures_eval import REPO
+
+
+def _records(rng, n, rtf, wer, alpha, draft_len):
+    """Synthetic per-utterance records with a given LM-RTF, WER level and per-position acceptance."""
+    out = []
+    for i in range(n):
+        audio = float(rng.uniform(2, 6))
+        ref = 10
+        errors = int(rng.binomial(ref, wer))
+        proposed, accepted, reach = [], [], 20
+        for _ in range(draft_len):
+            kept = int(rng.binomial(reach, alpha))
+            proposed.append(reach)
+            accepted.append(kept)
+            reach = kept
+        out.append({
+            "utt": f"u{i}", "lm_time": audio * rtf * float(rng.uniform(0.9, 1.1)), "audio_sec": audio,
+            "n_tokens": int(audio * 25), "errors": errors, "ref_words": ref, "wer": errors / ref,
+            "sim": float(rng.uniform(0.7, 0.8)), "target_calls": 20, "draft_calls": 20 * draft_len,
+            "rounds": 20, "accepted_total": sum(accepted), "proposed": proposed, "accepted": accepted,
+            "overlap_sum": [a * 1.0 for a in accepted], "tv_sum": [0.0] * draft_len, "finish_reason": "stop",
+        })  # fmt: skip
+    return out
+
+
+def _write_run(run_dir, labels, records):
+    run_dir.mkdir(parents=True)
+    metrics = {**summarize(records, 200, 0), **labels}
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics))
+
+
+def make_sweep(root, split, ar_wer=0.10, seed=0):
+    """AR + a 2x2 grid of (beta, L_d): beta=0.4 is faster but, at L_d=3, much worse."""
+    rng = np.random.default_rng(seed)
+    base = {"target": "toy", "eval": f"toy_{split}", "split": split}
+    _write_run(root / "decoding=ar", {**base, "decoding": "ar"}, _records(rng, 60, 0.5, ar_wer, 0, 0))
+    for beta in (0.0, 0.4):
+        for draft_len in (2, 3):
+            rtf = 0.5 / (1.2 + beta + 0.1 * draft_len)
+            wer = ar_wer + (0.3 if beta == 0.4 and draft_len == 3 else 0.0)
+            labels = {**base, "decoding": "speculative", "acceptance": "tolerance", "beta": beta,
+                      "draft_len": draft_len, "adaptive": False, "draft": "toy"}  # fmt: skip
+            records = _records(rng, 60, rtf, wer, 0.6 + beta / 2, draft_len)
+            _write_run(root / f"beta={beta:g},draft_len={draft_len}", labels, records)
+    return root
+
+
+def test_aggregate_writes_tables_and_figures_with_speedups(tmp_path):
+    sweep = make_sweep(tmp_path / "sweep", "test")
+    table = aggregate(sweep)
+    assert len(table) == 5 and table["decoding"].iloc[0] == "ar"  # AR first
+    ar_rtf = float(table.loc[table["decoding"] == "ar", "lm_rtf"].iloc[0])
+    spec = table[table["decoding"] == "speculative"]
+    assert np.allclose(spec["speedup"], ar_rtf / spec["lm_rtf"])
+    assert float(table.loc[table["decoding"] == "ar", "speedup"].iloc[0]) == pytest.approx(1.0)
+    for (
+        _,
+        row,
+    ) in spec.iterrows():  # alpha per position made it into the table (synthetic alpha = 0.6 + beta/2)
+        assert row["alpha_1"] == pytest.approx(0.6 + row["beta"] / 2, abs=0.06)
+        assert row[f"alpha_{int(row['draft_len'])}"] == pytest.approx(0.6 + row["beta"] / 2, abs=0.12)
+
+    markdown = (sweep / "table.md").read_text()
+    assert markdown.count("\n|") == 1 + 5  # header rule + 5 runs
+    assert "LM-RTF [95% CI]" in markdown and "WER % [95% CI]" in markdown and "[" in markdown
+    assert "\\begin{tabular}" in (sweep / "table.tex").read_text()
+    csv = pd.read_csv(sweep / "table.csv")
+    assert {"lm_rtf_ci_lo", "lm_rtf_ci_hi", "wer_ci_lo", "sim_ci_hi", "speedup"} <= set(csv.columns)
+    for name in (
+        "fig_rtf_acceptance_vs_draft_len.png",
+        "fig_wer_sim_vs_beta.png",
+        "fig_alpha_per_position.png",
+    ):
+        assert (sweep / name).stat().st_size > 1000
+
+
+def test_failed_jobs_are_listed_not_hidden(tmp_path):
+    sweep = make_sweep(tmp_path / "sweep", "test")
+    (sweep / "beta=-1,draft_len=2").mkdir()
+    (sweep / "beta=-1,draft_len=2" / ERROR_FILE).write_text(json.dumps({"error": "ValueError: bad beta"}))
+    table = aggregate(sweep, figures=False)
+    assert (table["status"] == "failed").sum() == 1
+    assert "beta=-1,draft_len=2: ValueError: bad beta" in (sweep / "table.md").read_text()
+
+
+def test_explicit_baseline_run_sets_the_speedup(tmp_path):
+    sweep = make_sweep(tmp_path / "sweep", "test")
+    baseline = tmp_path / "other_ar"
+    _write_run(baseline, {"decoding": "ar"}, _records(np.random.default_rng(5), 10, 1.0, 0.1, 0, 0))
+    base_rtf = json.loads((baseline / METRICS_FILE).read_text())["lm_rtf"]
+    table = aggregate(sweep, baseline_dir=baseline, figures=False)
+    assert np.allclose(table["speedup"], base_rtf / table["lm_rtf"])
+
+
+def test_select_on_dev_picks_the_fastest_setting_without_wer_loss(tmp_path):
+    dev = aggregate(make_sweep(tmp_path / "dev", "dev", seed=1), figures=False)
+    chosen = select_setting(dev)
+    # beta=0.4, L_d=3 is the fastest but its WER CI is far above AR's: the rule must skip it.
+    assert (chosen["beta"], chosen["draft_len"]) == (0.4, 2)
+    test = aggregate(make_sweep(tmp_path / "test", "test", seed=2), figures=False)
+    row = matching_row(test, chosen)
+    assert (row["beta"], row["draft_len"], row["split"]) == (0.4, 2, "test")
+
+
+def test_select_needs_an_ar_run(tmp_path):
+    sweep = make_sweep(tmp_path / "dev", "dev")
+    for path in (sweep / "decoding=ar").iterdir():
+        path.unlink()
+    (sweep / "decoding=ar").rmdir()
+    with pytest.raises(ValueError, match="decoding=ar"):
+        select_setting(load_runs(sweep))
+
+
+def test_load_runs_names_a_missing_sweep_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_runs(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nothing to aggregate"):
+        load_runs(tmp_path)
+
+
+def test_make_tables_cli_prints_the_table_and_the_selection(tmp_path):
+    test_dir = make_sweep(tmp_path / "test", "test", seed=2)
+    dev_dir = make_sweep(tmp_path / "dev", "dev", seed=1)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tables.py"), str(test_dir), "--select-on", str(dev_dir),
+         "--no-figures"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "| decoding=ar | ar |" in out.stdout
+    assert "chosen on dev" in out.stdout and "'beta': 0.4" in out.stdout and "'draft_len': 2" in out.stdout
+    reported = out.stdout.split("reported on test:")[1]
+    assert "beta=0.4,draft_len=2" in reported and "beta=0.4,draft_len=3" not in reported

@@ -1,0 +1,228 @@
+"""The evaluation runner on the micro toy world: results on disk, resume, fail-fast, exactness of beta=0."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+from omegaconf import OmegaConf
+
+from ssd.evaluation import runner
+from ssd.evaluation.metrics import bootstrap_ci, summarize
+from ssd.evaluation.runner import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    RESULTS_FILE,
+    TEST_LIST_FILE,
+    evaluate,
+    job_dirname,
+    read_records,
+    utterance_seed,
+    wandb_settings,
+    wrong_sentence_texts,
+)
+from tests.fixtures_eval import compose_sweep_config, micro_world, sweep_overrides  # noqa: F401
+
+
+def _cfg(world, *extra: str, n_utts: int = 3, max_len: int = 25):
+    return compose_sweep_config([*sweep_overrides(world, n_utts, max_len), "logger=none", *extra])
+
+
+# --- pure pieces ------------------------------------------------------------------------------------
+
+
+def test_utterance_seed_is_stable_and_depends_on_seed_and_utt():
+    assert utterance_seed(0, "a") == utterance_seed(0, "a")
+    assert len({utterance_seed(0, "a"), utterance_seed(1, "a"), utterance_seed(0, "b")}) == 3
+    assert 0 <= utterance_seed(123, "x") < 2**63
+
+
+def test_read_records_drops_a_half_written_last_line(tmp_path):
+    path = tmp_path / RESULTS_FILE
+    path.write_text(json.dumps({"utt": "a"}) + "\n" + json.dumps({"utt": "b"}) + "\n" + '{"utt": "c", "tok')
+    assert [r["utt"] for r in read_records(path)] == ["a", "b"]
+    assert path.read_text().endswith("}\n")  # the broken tail is cut, so appends stay valid JSONL
+    assert read_records(tmp_path / "missing.jsonl") == []
+
+
+def test_wrong_sentence_texts_never_pick_the_same_text():
+    texts = ["a b", "a b", "c d", "e f"]
+    wrong = wrong_sentence_texts(texts)
+    assert all(w != t for w, t in zip(wrong, texts))
+    assert wrong_sentence_texts(["same", "same"]) == [None, None]
+
+
+def test_job_dirname_is_path_safe_and_bounded():
+    assert job_dirname("beta=0,draft_len=2") == "beta=0,draft_len=2"
+    assert "/" not in job_dirname("eval.corpus_root=/a/b,beta=0")
+    long = ",".join(f"key{i}=value{i}" for i in range(40))
+    assert len(job_dirname(long)) <= runner.MAX_DIRNAME
+    assert job_dirname(long) == job_dirname(long) != job_dirname(long + "x")
+
+
+def test_wandb_settings_reads_lightning_style_logger_configs():
+    assert wandb_settings({}) is None
+    assert wandb_settings({"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger"}}) is None
+    nested = {"wandb": {"_target_": "lightning.pytorch.loggers.WandbLogger", "project": "p", "offline": None}}
+    assert wandb_settings(OmegaConf.create(nested))["project"] == "p"
+
+
+def _record(utt, lm_time, audio_sec, errors, ref_words, sim, proposed, accepted):
+    return {
+        "utt": utt, "lm_time": lm_time, "audio_sec": audio_sec, "n_tokens": int(audio_sec * 25),
+        "errors": errors, "ref_words": ref_words, "wer": errors / ref_words, "sim": sim,
+        "target_calls": 10, "draft_calls": 30, "rounds": 10, "accepted_total": sum(accepted),
+        "proposed": proposed, "accepted": accepted, "overlap_sum": [0.5 * p for p in proposed],
+        "tv_sum": [0.0] * len(proposed), "finish_reason": "stop",
+    }  # fmt: skip
+
+
+def test_summarize_ratio_of_sums_and_per_position_rates():
+    records = [
+        _record("a", 1.0, 2.0, 1, 4, 0.8, [10, 8, 5], [8, 5, 2]),
+        _record("b", 3.0, 2.0, 0, 6, 0.6, [10, 6], [6, 3]),
+    ]
+    m = summarize(records, n_resamples=100, seed=0)
+    assert m["lm_rtf"] == pytest.approx(4.0 / 4.0)
+    assert m["wer"] == pytest.approx(1 / 10)  # corpus WER: errors / reference words
+    assert m["wer_per_utt"] == pytest.approx((0.25 + 0.0) / 2)  # mean per-utterance WER
+    assert m["sim"] == pytest.approx(0.7)
+    assert m["alpha_per_position"] == pytest.approx([14 / 20, 8 / 14, 2 / 5])
+    assert m["beta_per_position"] == pytest.approx([0.5, 0.5, 0.5])
+    assert m["acceptance_rate"] == pytest.approx(24 / 39)
+    assert m["mean_accepted_length"] == pytest.approx(24 / 20)
+    lo, hi = m["lm_rtf_ci"]
+    assert lo <= m["lm_rtf"] <= hi and lo < hi
+
+
+def test_bootstrap_ci_is_seeded_and_covers_the_mean():
+    records = [{"x": float(v)} for v in np.random.default_rng(1).normal(5.0, 1.0, 200)]
+
+    def mean(rs):
+        return float(np.mean([r["x"] for r in rs]))
+
+    first, again = bootstrap_ci(records, mean, 300, seed=7), bootstrap_ci(records, mean, 300, seed=7)
+    assert first == again
+    assert first[0] < mean(records) < first[1]
+    assert 0.1 < first[1] - first[0] < 0.5  # ~ 2 * 1.96 / sqrt(200)
+
+
+# --- the runner on the micro world --------------------------------------------------------------------
+
+
+def test_evaluate_writes_results_and_resumes_without_redoing(micro_world, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    metrics = evaluate(_cfg(micro_world), run_dir)
+
+    records = read_records(run_dir / RESULTS_FILE)
+    assert [r["utt"] for r in records] == json_utts(run_dir / TEST_LIST_FILE)
+    assert metrics["num_utterances"] == 3 == len(records)
+    for key in ("lm_rtf", "wer", "wer_per_utt", "sim", "acceptance_rate", "alpha_per_position",
+                "beta_per_position", "tv_per_position", "target_calls_per_token", "wer_wrong_sentence"):  # fmt: skip
+        assert key in metrics
+    assert metrics == json.loads((run_dir / METRICS_FILE).read_text())
+    assert metrics["decoding"] == "speculative" and metrics["beta"] == 0.4 and metrics["draft_len"] == 3
+    assert 0 < metrics["acceptance_rate"] < 1
+    assert set(metrics["slot_accuracy"]) == {"command", "colour", "preposition", "noun", "digit", "adverb"}
+    for r in records:
+        assert r["audio_sec"] == pytest.approx(r["n_tokens"] / 25)
+        assert 0 < r["lm_time"] and r["min_len"] <= r["n_tokens"] <= r["max_len"] == 25
+        assert sum(r["accepted_per_round"]) == r["accepted_total"]
+    wavs = sorted((run_dir / "audio").glob("*.wav"))
+    assert len(wavs) == 2 and sf.info(str(wavs[0])).frames > 0
+    assert OmegaConf.load(run_dir / CONFIG_FILE).beta == 0.4
+
+    # Simulate a run killed while writing utterance 2: one whole record and half a line remain.
+    lines = (run_dir / RESULTS_FILE).read_text().splitlines(keepends=True)
+    (run_dir / RESULTS_FILE).write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    evaluate(_cfg(micro_world), run_dir)
+    resumed = read_records(run_dir / RESULTS_FILE)
+    assert [r["utt"] for r in resumed] == [r["utt"] for r in records]  # nothing lost, nothing twice
+    assert resumed[0] == records[0]  # the finished record was kept, not redone
+    # The redone utterances draw from the same per-utterance seed: the same tokens come out.
+    assert [r["tokens"] for r in resumed[1:]] == [r["tokens"] for r in records[1:]]
+
+
+def json_utts(path):
+    return [json.loads(line)["utt"] for line in path.read_text().splitlines()]
+
+
+def test_resume_refuses_a_run_dir_of_another_configuration(micro_world, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    evaluate(_cfg(micro_world, n_utts=2, max_len=15), run_dir)
+    with pytest.raises(ValueError, match="different configuration.*beta"):
+        evaluate(_cfg(micro_world, "beta=0.1", n_utts=2, max_len=15), run_dir)
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Any decode call fails the test: fail-fast errors must come before decoding starts."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("decoding started before the configuration was checked")
+
+    monkeypatch.setattr("ssd.decoding.generate.decode_ar", forbidden)
+    monkeypatch.setattr("ssd.decoding.generate.decode_speculative", forbidden)
+
+
+def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):  # noqa: F811
+    cfg = _cfg(micro_world, f"eval.corpus_root={tmp_path / 'nowhere'}")
+    with pytest.raises(FileNotFoundError, match="eval.corpus_root"):
+        evaluate(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / RESULTS_FILE).exists()
+
+
+def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):  # noqa: F811
+    runner._LOADED.clear()
+    cfg = _cfg(micro_world, f"asr.model_dir={tmp_path / 'no_whisper'}")
+    with pytest.raises(FileNotFoundError, match="model_dir"):
+        evaluate(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / RESULTS_FILE).exists()
+
+
+def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):  # noqa: F811
+    cfg = _cfg(micro_world, f"target.model.model_dir={tmp_path / 'no_target'}")
+    with pytest.raises(FileNotFoundError, match="target.model.*no_target"):
+        evaluate(cfg, tmp_path / "run")
+
+
+def test_mismatched_stop_tokens_are_named(micro_world, tmp_path, no_decoding):  # noqa: F811
+    cfg = _cfg(micro_world, "target.sampling.stop_tokens=[1024,1025,1026]")
+    with pytest.raises(ValueError, match="target.sampling.stop_tokens"):
+        evaluate(cfg, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_ar_and_exact_speculative_agree_within_ci(micro_world, tmp_path):  # noqa: F811
+    """beta = 0 (exact speculative sampling) samples the target's law: its WER/SIM/length distribution
+    must match decoding=ar within the bootstrap CIs, on the same utterances."""
+    n = 6
+    ar = evaluate(_cfg(micro_world, "decoding=ar", n_utts=n, max_len=40), tmp_path / "ar")
+    exact = evaluate(_cfg(micro_world, "acceptance=exact", n_utts=n, max_len=40), tmp_path / "exact")
+    for key in ("wer", "sim"):
+        (a_lo, a_hi), (e_lo, e_hi) = ar[f"{key}_ci"], exact[f"{key}_ci"]
+        assert a_lo <= e_hi and e_lo <= a_hi, (key, ar[f"{key}_ci"], exact[f"{key}_ci"])
+    a_len = [r["n_tokens"] for r in read_records(tmp_path / "ar" / RESULTS_FILE)]
+    e_len = [r["n_tokens"] for r in read_records(tmp_path / "exact" / RESULTS_FILE)]
+    assert abs(np.mean(a_len) - np.mean(e_len)) <= 3 * np.std(a_len + e_len) / np.sqrt(n) + 1
+    assert ar["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)  # AR: one call per token
+    assert exact["target_calls_per_token"] < 1.0  # speculative: several tokens per target call
+
+
+@pytest.mark.parametrize(
+    "extra, mode",
+    [(["acceptance=pcg", "theta=0.1"], "speculative"), (["decoding=draft_only"], "draft_only"),
+     (["decoding.adaptive.enabled=true", "draft_len=1"], "speculative")],
+)  # fmt: skip
+def test_every_decoding_mode_runs_end_to_end(micro_world, tmp_path, extra, mode):  # noqa: F811
+    metrics = evaluate(_cfg(micro_world, *extra, n_utts=1, max_len=15), tmp_path / "run")
+    assert metrics["decoding"] == mode and metrics["num_utterances"] == 1
+    record = read_records(tmp_path / "run" / RESULTS_FILE)[0]
+    if mode == "draft_only":  # the draft alone: no verification rounds, no target calls
+        assert record["target_calls"] == record["n_tokens"] - 1 and record["rounds"] == 0
+    elif "decoding.adaptive.enabled=true" in extra:
+        assert max(record["draft_len_per_round"]) > 1  # the heuristic grew L_d from 1
+    else:
+        assert metrics["acceptance"] == "pcg" and 0 < metrics["acceptance_rate"] <= 1

@@ -1,0 +1,152 @@
+"""`python sweep.py` as a user runs it: composition, subprocess multiruns on the micro toy world, a failing
+job that does not stop the sweep, W&B offline, and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
+from tests.fixtures_eval import (  # noqa: F401
+    REPO,
+    compose_sweep_config,
+    micro_world,
+    run_sweep,
+    write_micro_config,
+)
+
+# --- composition (no models) -----------------------------------------------------------------------
+
+
+def test_the_users_sweep_keys_are_top_level():
+    cfg = compose_sweep_config(["beta=0.2", "draft_len=4", "theta=0.3"])
+    assert cfg.acceptance.name == "tolerance" and cfg.acceptance.beta == 0.2
+    assert cfg.decoding.mode == "speculative" and cfg.decoding.draft_len == 4
+    assert compose_sweep_config(["acceptance=pcg", "theta=0.3"]).acceptance.theta == 0.3
+    assert compose_sweep_config(["decoding=ar"]).decoding.mode == "ar"
+    assert compose_sweep_config(["decoding=draft_only"]).decoding.mode == "draft_only"
+    adaptive = compose_sweep_config(["decoding.adaptive.enabled=true"]).decoding.adaptive
+    assert adaptive.enabled and adaptive.min_len <= adaptive.max_len
+
+
+def test_eval_configs_document_the_paper_setting():
+    test = compose_sweep_config(["eval=libritts_test_clean"]).eval
+    assert (test.n_utts, test.n_speakers, list(test.target_sec)) == (500, 37, [4.0, 10.0])
+    assert 2.0 <= sum(test.prompt_sec) / 2 <= 4.0  # ~3 s prompts
+    dev = compose_sweep_config(["eval=libritts_dev_clean"]).eval
+    assert dev.split == "dev" and list(dev.subsets) == ["dev-clean"]
+    assert compose_sweep_config(["eval=toy_dev"]).eval.subsets[0] == "dev-clean"
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_slurm"])
+def test_launcher_configs_compose_render_and_build(launcher, tmp_path):
+    cfg = compose_sweep_config([f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}"], with_hydra=True)
+    rendered = OmegaConf.to_yaml(cfg.hydra.launcher, resolve=True)
+    assert "_target_" in rendered
+    pytest.importorskip(f"hydra_plugins.hydra_{launcher.split('_')[0]}_launcher")  # optional extras
+    launcher_obj = instantiate(cfg.hydra.launcher)  # the plugin accepts every field we set
+    assert type(launcher_obj).__name__ in ("JoblibLauncher", "SlurmLauncher")
+    if launcher == "submitit_slurm":
+        assert str(tmp_path) in cfg.hydra.launcher.submitit_folder
+
+
+def test_job_dirs_are_named_by_overrides_without_paths():
+    cfg = compose_sweep_config(["beta=0", "draft_len=2", "paths.data_dir=/x/y"], with_hydra=True)
+    assert "paths.data_dir" in cfg.hydra.job.config.override_dirname.exclude_keys
+    assert "${ssd.job_dirname:${hydra.job.override_dirname}}" in OmegaConf.to_yaml(cfg.hydra.sweep)
+    assert "ssd.evaluation.callbacks.AggregateOnMultirunEnd" in OmegaConf.to_yaml(cfg.hydra.callbacks)
+
+
+def test_submitit_multirun_renders_from_the_command_line():
+    out = run_sweep(["hydra/launcher=submitit_slurm", "--cfg", "hydra", "--resolve"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "SlurmLauncher" in out.stdout and "timeout_min" in out.stdout
+
+
+# --- subprocess sweeps on the micro world --------------------------------------------------------------
+
+
+def _job_dirs(sweep_dir):
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_path):  # noqa: F811
+    """beta=-1 is invalid: that job writes error.json, the beta=0.4 job finishes and logs to W&B offline."""
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=20)
+    sweep_dir = tmp_path / "sweep"
+    out = run_sweep(["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=wandb",
+                     "beta=-1,0.4", "draft_len=2", f"hydra.sweep.dir={sweep_dir}"])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed, ok = sweep_dir / "beta=-1,draft_len=2", sweep_dir / "beta=0.4,draft_len=2"
+    error = json.loads((failed / ERROR_FILE).read_text())
+    assert "beta must be >= 0" in error["error"] and not (failed / METRICS_FILE).exists()
+    assert "sweep continues" in out.stderr + out.stdout
+    assert len(read_records(ok / RESULTS_FILE)) == 2
+    assert json.loads((ok / METRICS_FILE).read_text())["beta"] == 0.4
+    offline_runs = list((ok / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert offline_runs, sorted(p.name for p in ok.rglob("*"))[:30]
+    table = (sweep_dir / "table.md").read_text()
+    assert "beta=0.4,draft_len=2" in table and "Failed jobs" in table and "beta=-1,draft_len=2" in table
+
+
+@pytest.mark.slow
+def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_path):  # noqa: F811
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=20)
+    sweep_dir = tmp_path / "sweep"
+    args = ["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
+            "beta=0,0.4", "draft_len=2,3", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    out = run_sweep(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = _job_dirs(sweep_dir)
+    assert [p.name for p in jobs] == [f"beta={b},draft_len={d}" for b in ("0", "0.4") for d in (2, 3)]
+    for job in jobs:
+        assert len(read_records(job / RESULTS_FILE)) == 2
+        metrics = json.loads((job / METRICS_FILE).read_text())
+        assert len(metrics["alpha_per_position"]) == metrics["draft_len"]
+    for name in ("table.md", "table.tex", "table.csv", "fig_rtf_acceptance_vs_draft_len.png",
+                 "fig_wer_sim_vs_beta.png", "fig_alpha_per_position.png"):  # fmt: skip
+        assert (sweep_dir / name).is_file(), name
+    assert (sweep_dir / "table.md").read_text().count("| speculative |") == 4
+    before = {job.name: (job / RESULTS_FILE).read_bytes() for job in jobs}
+
+    again = run_sweep(args)  # the same command into the same sweep dir: every job resumes, nothing redone
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (again.stdout + again.stderr).count("2 already done, 0 to go") == 4
+    assert {job.name: (job / RESULTS_FILE).read_bytes() for job in jobs} == before
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):  # noqa: F811
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=5, max_len=30)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "sweep.py"), "--config-dir", str(config_dir), "--config-name",
+           "micro_sweep", "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = run_dir / RESULTS_FILE
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not results.is_file() or results.read_text().count("\n") < 2):
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = read_records(results)
+    assert 2 <= len(written) < 5
+
+    out = run_sweep(["--config-dir", str(config_dir), "--config-name", "micro_sweep", "logger=none",
+                     f"hydra.run.dir={run_dir}"])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = read_records(results)
+    utts = [r["utt"] for r in final]
+    assert len(utts) == len(set(utts)) == 5
+    assert final[: len(written)] == written
+    assert json.loads((run_dir / METRICS_FILE).read_text())["num_utterances"] == 5
