@@ -18,7 +18,10 @@ lint:  ## ruff
 	$(PY) -m ruff check ssd tests scripts *.py
 	$(PY) -m ruff format --check ssd tests scripts *.py
 
+toy:  ## build the toy world (corpus, codec, token shards, toy target, toy draft, quality summary)
+	HF_HUB_OFFLINE=1 $(PY) scripts/build_toy_world.py
+
 bench:  ## decoding benchmark: AR vs speculative, per rule and draft length
 	$(PY) scripts/bench_decoding.py
 
-.PHONY: help install test test-slow lint bench
+.PHONY: help install test test-slow lint toy bench

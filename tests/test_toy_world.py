@@ -1,0 +1,184 @@
+"""The toy world's builder, corpus layout, language and codec, on the `micro` size (seconds)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from omegaconf import OmegaConf
+
+from ssd.audio.toy_codec import ToyCodec
+from ssd.data.grid_language import GridLanguage
+from ssd.data.toy_world import DONE_FILE, STAGES, Stage, build_toy_world
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+pytestmark = pytest.mark.skipif(
+    shutil.which("flite") is None or shutil.which("sox") is None, reason="needs flite, sox"
+)
+
+
+def micro_cfg() -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / "toy_world" / "micro.yaml"))
+    del cfg["dir"]  # interpolates paths.data_dir; tests pass the root directly
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    results = build_toy_world(micro_cfg(), root, progress=False)
+    return root, micro_cfg(), results
+
+
+def test_libritts_layout(world):
+    root, cfg, _ = world
+    corpus = root / "corpus"
+    speakers = {}
+    for subset, spec in cfg["corpus"]["subsets"].items():
+        wavs = sorted((corpus / subset).glob("*/*/*.wav"))
+        assert len(wavs) == spec["speakers"] * spec["utterances_per_speaker"]
+        for wav in wavs:
+            spk, chapter = wav.parent.parent.name, wav.parent.name
+            assert re.fullmatch(rf"{spk}_{chapter}_\d{{6}}_\d{{6}}\.wav", wav.name), wav
+            assert wav.with_suffix(".normalized.txt").read_text().strip()
+            assert wav.with_suffix(".original.txt").is_file()
+            info = sf.info(wav)
+            assert info.samplerate == 16000 and info.channels == 1 and info.duration > 0.5
+        speakers[subset] = {w.parent.parent.name for w in wavs}
+        assert len(speakers[subset]) == spec["speakers"]
+    assert not speakers["test-clean"] & speakers["train-clean-100"]
+    assert not speakers["dev-clean"] & speakers["train-clean-100"]
+    assert not speakers["dev-clean"] & speakers["test-clean"]
+
+
+def test_corpus_text_is_the_language(world):
+    root, _, _ = world
+    language = GridLanguage(json.loads((root / "corpus" / "language.json").read_text()))
+    for txt in (root / "corpus").glob("*/*/*/*.normalized.txt"):
+        language.parse(txt.read_text())  # raises unless one word per slot
+
+
+def test_language_deterministic_and_structured():
+    language = GridLanguage()
+    assert [s.text for s in language.sample(20, seed=3)] == [s.text for s in language.sample(20, seed=3)]
+    assert [s.text for s in language.sample(20, seed=3)] != [s.text for s in language.sample(20, seed=4)]
+    assert language.slot_names == ("command", "colour", "preposition", "noun", "digit", "adverb")
+    assert 40 <= len(language.words) <= 60
+    ref = "place blue beside apple seven now"
+    assert language.slot_correct(ref, "Place blue beside the apple 7 now.") == dict.fromkeys(
+        language.slot_names, True
+    )
+    got = language.slot_correct(ref, "place green beside apple now")
+    assert got["colour"] is False and got["digit"] is False and got["noun"] is True
+    with pytest.raises(ValueError, match="not a colour"):
+        language.parse("place pink beside apple seven now")
+
+
+def test_codec_round_trip(world):
+    root, cfg, _ = world
+    codec = ToyCodec.load(root / "codec")
+    assert codec.token_rate == 25 and codec.codebook_size == cfg["codec"]["codebook_size"]
+    wavs = sorted((root / "corpus" / "test-clean").glob("*/*/*.wav"))
+    wav, sr = sf.read(wavs[0], dtype="float32")
+    tokens = codec.encode(wav, sr)
+    assert tokens.dtype == np.int64 and tokens.ndim == 1
+    assert abs(len(tokens) - len(wav) / sr * 25) <= 1
+    assert tokens.min() >= 0 and tokens.max() < codec.codebook_size
+    for n_samples, n_tokens in [(0, 0), (639, 0), (640, 1), (16000, 25)]:
+        assert len(codec.encode(np.zeros(n_samples, np.float32) + 0.01, 16000)) == n_tokens
+    # Resampled input gives the same number of tokens per second.
+    wav8k = wav[::2]
+    assert abs(len(codec.encode(wav8k, 8000)) - len(tokens)) <= 1
+    audio = codec.decode(tokens)
+    assert audio.dtype == np.float32 and np.isfinite(audio).all()
+    assert len(audio) == len(tokens) * codec.sample_rate // 25
+    assert audio.std() > 1e-4  # not silence
+    prompt, _ = sf.read(wavs[1], dtype="float32")
+    with_prompt = codec.decode(tokens, prompt_tokens=codec.encode(prompt, sr), prompt_wav=prompt)
+    assert len(with_prompt) == len(audio) and np.isfinite(with_prompt).all()
+    with pytest.raises(ValueError, match="strip EOS"):
+        codec.decode(np.array([0, codec.codebook_size]))
+    with pytest.raises(ValueError, match="mono"):
+        codec.encode(np.zeros((2, 1600), np.float32), sr)
+
+
+def test_codec_save_load_is_identical(world, tmp_path):
+    root, _, _ = world
+    codec = ToyCodec.load(root / "codec")
+    codec.save(tmp_path / "copy")
+    again = ToyCodec.load(tmp_path / "copy")
+    wav, sr = sf.read(sorted((root / "corpus" / "dev-clean").glob("*/*/*.wav"))[0], dtype="float32")
+    tokens = codec.encode(wav, sr)
+    assert np.array_equal(tokens, again.encode(wav, sr))
+    assert np.allclose(codec.decode(tokens), again.decode(tokens), atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="codec.json"):
+        ToyCodec.load(tmp_path / "nothing")
+
+
+def _stamp(root: Path) -> dict[str, float]:
+    return {d.name: (d / DONE_FILE).stat().st_mtime_ns for d in root.iterdir() if (d / DONE_FILE).exists()}
+
+
+def test_rebuild_skips_redoes_and_propagates(world, tmp_path):
+    root, cfg, first = world
+    assert [r.status for r in first] == ["built"] * len(STAGES)
+    # A private copy so the shared world stays intact for the other tests.
+    root = Path(shutil.copytree(root, tmp_path / "toy"))
+    before = _stamp(root)
+    again = build_toy_world(cfg, root, progress=False)
+    assert [r.status for r in again] == ["skipped"] * len(STAGES) and _stamp(root) == before
+
+    # Interrupted codec stage: files but no DONE.json -> redone from scratch, corpus untouched.
+    (root / "codec" / DONE_FILE).unlink()
+    (root / "codec" / "leftover.tmp").write_text("half-written")
+    statuses = {r.name: r.status for r in build_toy_world(cfg, root, progress=False)}
+    assert statuses == {"corpus": "skipped", "codec": "built"}
+    assert not (root / "codec" / "leftover.tmp").exists()
+
+    # A changed corpus config rebuilds the corpus and everything downstream.
+    cfg["corpus"]["subsets"]["test-clean"]["utterances_per_speaker"] += 1
+    statuses = {r.name: r.status for r in build_toy_world(cfg, root, progress=False)}
+    assert statuses == {"corpus": "built", "codec": "built"}
+
+
+def test_changed_stage_rebuilds_only_downstream(tmp_path):
+    calls = []
+
+    def make(name):
+        def run(ctx):
+            calls.append(name)
+            (ctx.out_dir / "out.txt").write_text(json.dumps(ctx.config))
+            return {"inputs": len(ctx.inputs)}
+
+        return Stage(name, run)
+
+    stages = [make("a"), make("b"), make("c")]
+    cfg = {"seed": 0, "a": {"x": 1}, "b": {"y": 1}, "c": {}}
+    build_toy_world(cfg, tmp_path, stages, progress=False)
+    assert calls == ["a", "b", "c"]
+    calls.clear()
+    cfg["b"]["y"] = 2
+    build_toy_world(cfg, tmp_path, stages, progress=False)
+    assert calls == ["b", "c"]
+    calls.clear()
+    cfg["seed"] = 1  # the seed reaches every stage
+    build_toy_world(cfg, tmp_path, stages, progress=False)
+    assert calls == ["a", "b", "c"]
+
+
+def test_config_errors_name_the_key(tmp_path):
+    cfg = micro_cfg()
+    cfg["corpus"]["subsets"]["test-clean"]["speakers"] = 50
+    with pytest.raises(ValueError, match="speaker bank"):
+        build_toy_world(cfg, tmp_path, progress=False)
+    cfg = micro_cfg()
+    cfg["codec"]["codebok_size"] = 8
+    with pytest.raises(ValueError, match="codebok_size"):
+        build_toy_world(cfg, tmp_path, progress=False)
+    assert (tmp_path / "corpus" / DONE_FILE).exists()
+    assert not (tmp_path / "codec" / DONE_FILE).exists()
