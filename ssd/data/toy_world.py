@@ -5,7 +5,7 @@ config section, the world seed, its code version and the hash of the stage befor
 anywhere upstream reaches everything downstream). On a rerun:
 - DONE.json present with the same hash -> skipped;
 - no DONE.json (an interrupted build) or a different hash -> the directory is wiped and redone.
-Later stages (tokens, target, draft, summary) are appended to `STAGES` by the modules that own them.
+Stages: corpus, codec (here); tokens, target, draft, summary (ssd/data/toy_world_lm.py).
 """
 
 from __future__ import annotations
@@ -225,7 +225,32 @@ def run_codec(ctx: StageContext) -> dict:
     }
 
 
+def _lm_stage(name: str) -> Callable[[StageContext], dict]:
+    """The LM stages live in ssd.data.toy_world_lm (they use training and evaluation code)."""
+
+    def run(ctx: StageContext) -> dict:
+        from ssd.data import toy_world_lm
+
+        return getattr(toy_world_lm, f"run_{name}")(ctx)
+
+    return run
+
+
+def _composed_target(section: dict) -> dict:
+    """The toy target's config (configs/target/toy.yaml + the stage's overrides) is an input too."""
+    from omegaconf import OmegaConf
+
+    from ssd.data.toy_world_lm import compose
+
+    overrides = ["target=toy", *[str(o) for o in section.get("overrides", [])]]
+    return OmegaConf.to_container(compose("train_draft", overrides).target, resolve=False)
+
+
 STAGES: list[Stage] = [
     Stage("corpus", run_corpus, version=1, fingerprint=lambda section: _language(section).slots),
     Stage("codec", run_codec, version=1),
+    Stage("tokens", _lm_stage("tokens"), version=1),
+    Stage("target", _lm_stage("target"), version=1, fingerprint=_composed_target),
+    Stage("draft", _lm_stage("draft"), version=1),
+    Stage("summary", _lm_stage("summary"), version=1),
 ]

@@ -1,0 +1,199 @@
+"""The toy world's LM stages: token shards, the toy target, the toy draft, and the quality summary.
+
+They run after the corpus and codec stages of `ssd.data.toy_world` and use the project's real code
+paths only: shards come from `ssd.data.prepare.prepare_corpus` (the LibriTTS path), the toy target is
+a CosyVoice 2-format model dir trained by `ssd.training.train.train` (the code that trains drafts),
+the draft is trained by the same function, and the summary is measured by the eval runner and the
+judges the sweeps use. Configs are composed from the repo's own `configs/` (train_draft.yaml,
+sweep.yaml), so `target=toy`, `draft=toy`, `data=toy`, `eval=toy` mean the same thing here as on
+the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ssd.data.toy_world import StageContext
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose(config_name: str, overrides: list[str]):
+    """A config of this repo's configs/ with overrides, as the CLI would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import ssd.evaluation.runner  # noqa: F401  (registers the resolvers sweep.yaml uses)
+    from ssd.training.schema import register_schema
+
+    register_schema()  # train_draft.yaml's defaults name the schema
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def _overrides(section: dict) -> list[str]:
+    """The stage section's `overrides:` list (extra key=value for the composed config)."""
+    return [str(o) for o in section.get("overrides", [])]
+
+
+def run_tokens(ctx: StageContext) -> dict:
+    """Token shards of the corpus (text: a word tokenizer of the toy language; speech: the toy codec)."""
+    from ssd.data.prepare import prepare_corpus
+    from ssd.data.toy_world import _language
+    from ssd.models.text_tokenizer import write_word_tokenizer
+
+    words = sorted({w for slot in _language(ctx.world["corpus"]).slots.values() for w in slot})
+    text_tokenizer = write_word_tokenizer(words, ctx.out_dir / "text_tokenizer")
+    prepare_corpus(
+        ctx.inputs["corpus"],
+        ctx.out_dir / "shards",
+        text_tokenizer=text_tokenizer,
+        speech_tokenizer="toy",
+        speech_tokenizer_path=ctx.inputs["codec"],
+        num_workers=int(ctx.world.get("workers", 2)),
+        progress=ctx.progress,
+        log=None,
+    )
+    summary = json.loads((ctx.out_dir / "shards" / "summary.json").read_text())
+    return {
+        "utterances": summary["n_kept"],
+        "speech_tokens": summary["speech_tokens"],
+        "text_words": len(words),
+    }
+
+
+def _train(ctx: StageContext, overrides: list[str]) -> dict:
+    from ssd.training.train import train
+
+    cfg = compose(
+        "train_draft",
+        [
+            f"output_dir={ctx.out_dir / 'run'}",
+            f"data.shard_dirs={ctx.inputs['tokens'] / 'shards'}",
+            f"seed={int(ctx.world.get('seed', 0))}",
+            "logger=csv",
+            *overrides,
+            *_overrides(ctx.config),
+        ],
+    )
+    return train(cfg)
+
+
+def run_target(ctx: StageContext) -> dict:
+    """Write a random-weight toy target in the CosyVoice 2 format, then train all of it."""
+    from ssd.audio.toy_codec import ToyCodec
+    from ssd.models.checkpoints import write_cosyvoice2_dir
+
+    target_cfg = compose("train_draft", ["target=toy", *_overrides(ctx.config)]).target
+    codebook = ToyCodec.load(ctx.inputs["codec"]).codebook_size
+    if codebook != int(target_cfg.speech_token_size):
+        raise ValueError(
+            f"toy codec has {codebook} tokens but configs/target/toy.yaml says speech_token_size="
+            f"{target_cfg.speech_token_size}: make them equal (and its stop_tokens = that + 0, 1, 2)"
+        )
+    from omegaconf import OmegaConf
+
+    init = write_cosyvoice2_dir(
+        ctx.out_dir / "init",
+        OmegaConf.to_container(target_cfg.architecture, resolve=True),
+        codebook,
+        ctx.inputs["tokens"] / "text_tokenizer",
+        seed=int(ctx.world.get("seed", 0)),
+    )
+    metrics = _train(ctx, ["train_target=true", "kd_weight=0", f"target.model.model_dir={init}"])
+    trained = ctx.out_dir / "run" / "target"
+    for item in trained.iterdir():  # the stage dir itself is the model dir (configs/target/toy.yaml)
+        shutil.move(str(item), ctx.out_dir / item.name)
+    shutil.rmtree(ctx.out_dir / "init")
+    return _scalars(metrics, ("dev/loss", "dev/acc", "before/dev/loss", "global_step"))
+
+
+def run_draft(ctx: StageContext) -> dict:
+    """Train the toy draft (configs/draft/toy.yaml) against the trained toy target."""
+    metrics = _train(ctx, ["draft=toy", f"target.model.model_dir={ctx.inputs['target']}"])
+    shutil.copy(ctx.out_dir / "run" / "draft.pt", ctx.out_dir / "draft.pt")
+    return _scalars(
+        metrics,
+        (
+            "dev/alpha_target_sampling",
+            "before/dev/alpha_target_sampling",
+            "dev/alpha_softmax",
+            "dev/top1_agreement",
+        ),
+    )
+
+
+def _scalars(metrics: dict, keys) -> dict:
+    return {k.replace("/", "_"): round(float(metrics[k]), 4) for k in keys if metrics.get(k) is not None}
+
+
+def run_summary(ctx: StageContext) -> dict:
+    """Quality of the toy world, measured as the sweeps measure it, on the test split:
+    judge floor (original audio), resynthesis ceiling (codec round trip), AR generations of the
+    toy target (WER next to its wrong-sentence baseline, per-slot accuracy, SIM, tokens/s), draft α."""
+    from ssd.data.libritts import save_table
+    from ssd.evaluation.runner import build_test_list, evaluate, load_models, wrong_sentence_texts
+    from ssd.evaluation.wer import summarize_wer, utterance_wer
+
+    root = ctx.inputs["corpus"].parent
+    overrides = [
+        f"paths.data_dir={root.parent}",
+        f"target.model.model_dir={ctx.inputs['target']}",
+        f"draft.checkpoint={ctx.inputs['draft'] / 'draft.pt'}",
+        f"eval.corpus_root={ctx.inputs['corpus']}",
+        f"speech_tokenizer.path={ctx.inputs['codec']}",
+        f"vocoder.codec_dir={ctx.inputs['codec']}",
+        "decoding=ar",
+        "logger=none",
+        f"progress={str(ctx.progress).lower()}",
+        *_overrides(ctx.config),
+    ]
+    cfg = compose("sweep", overrides)
+    ar = evaluate(cfg, run_dir=ctx.out_dir / "ar")
+
+    # Floor and ceiling on the same test utterances, with the same judge and the same vocoder
+    # conditioning (the pair's prompt utterance) as the generations get.
+    from ssd.audio.features import load_audio
+    from ssd.audio.vocoder import VocoderPrompt
+
+    pairs = build_test_list(cfg.eval)
+    models = load_models(cfg)
+    rows, floor, ceiling = [], [], []
+    for pair, wrong_text in zip(pairs.itertuples(index=False), wrong_sentence_texts(pairs["text"].tolist())):
+        wav, sr = load_audio(pair.wav, None)
+        prompt_wav, prompt_sr = load_audio(pair.prompt_wav, None)
+        encode = models.speech_tokenizer.encode
+        vprompt = VocoderPrompt(
+            prompt_wav, prompt_sr, pair.prompt_text, np.asarray(encode(prompt_wav, prompt_sr))
+        )
+        resynth = models.vocoder.vocode(np.asarray(encode(wav, sr)), vprompt)
+        hyp_orig = models.asr.transcribe(wav, sr)
+        hyp_resynth = models.asr.transcribe(resynth, models.vocoder.sample_rate)
+        floor.append(utterance_wer(pair.text, hyp_orig))
+        ceiling.append(utterance_wer(pair.text, hyp_resynth))
+        rows.append({"utt": pair.utt, "text": pair.text, "original": hyp_orig, "resynthesised": hyp_resynth,
+                     "resynth_vs_wrong_text": utterance_wer(wrong_text, hyp_resynth).wer})  # fmt: skip
+    save_table(pd.DataFrame(rows), ctx.out_dir / "floor_ceiling.jsonl")
+    draft_done = json.loads((ctx.inputs["draft"] / "DONE.json").read_text())["summary"]
+    summary = {
+        "n_test_utts": len(pairs),
+        "wer_original_audio": summarize_wer(floor).corpus_wer,
+        "wer_resynthesis": summarize_wer(ceiling).corpus_wer,
+        "wer_resynthesis_vs_wrong_text": float(np.mean([r["resynth_vs_wrong_text"] for r in rows])),
+        "wer_generated_ar": ar.get("wer"),
+        "wer_generated_vs_wrong_text": ar.get("wer_wrong_sentence"),
+        "slot_accuracy_generated": ar.get("slot_accuracy"),
+        "sim_generated_vs_prompt": ar.get("sim"),
+        "target_tokens_per_s": ar.get("tokens_per_sec"),
+        "draft_alpha_dev": draft_done.get("dev_alpha_target_sampling"),
+        "draft_alpha_dev_before_training": draft_done.get("before_dev_alpha_target_sampling"),
+    }
+    (ctx.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
