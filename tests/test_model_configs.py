@@ -11,6 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from ssd.models.draft import save_draft
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ssd.decoding.interface import SpeechLM  # noqa: E402
@@ -47,8 +49,15 @@ def test_toy_target_and_draft_from_data_dir(tiny_cosyvoice2_dir, monkeypatch):  
     cfg = compose_target_draft("toy", "toy")
     assert cfg.target.model.model_dir == str(link)
     target = instantiate(cfg.target.model)
+    # The toy world writes the trained draft beside the target; the config loads it from there.
+    assert cfg.draft.checkpoint == str(data_dir / "toy" / "draft" / "draft.pt")
+    trained = instantiate(cfg.draft, target=target, checkpoint=None)
+    with torch.no_grad():
+        trained.llm_decoder.bias.add_(1.0)
+    save_draft(data_dir / "toy" / "draft" / "draft.pt", trained)
     draft = instantiate(cfg.draft, target=target)
     assert draft.draft_recipe.layers == (0, 1, 3) and draft.draft_name == "toy"
+    torch.testing.assert_close(draft.llm_decoder.bias, trained.llm_decoder.bias)
     prompt = target.make_prompt(["bin blue at zero now"], ["lay green"], [[1, 2]])
     assert decode_a_few_tokens(target, prompt).shape == (1, 3)
     assert decode_a_few_tokens(draft, prompt).shape == (1, 3)
