@@ -21,7 +21,10 @@ lint:  ## ruff
 toy:  ## build the toy world (corpus, codec, token shards, toy target, toy draft, quality summary)
 	HF_HUB_OFFLINE=1 $(PY) scripts/build_toy_world.py
 
+reproduce-toy:  ## every paper table/figure on the toy world into experiments/results/ (after make toy)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) scripts/reproduce.py all --out experiments/results
+
 bench:  ## decoding benchmark: AR vs speculative, per rule and draft length
 	$(PY) scripts/bench_decoding.py
 
-.PHONY: help install test test-slow lint toy bench
+.PHONY: help install test test-slow lint toy reproduce-toy bench

@@ -1,0 +1,194 @@
+"""The paper-table experiments: every config composes into the grid its table needs, the driver writes a
+results dir end to end on the micro world, and the exactness chi-square tells an exact engine from broken ones."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd.evaluation.experiments import (
+    chi_square_homogeneity,
+    exactness_chi_square,
+    experiment_names,
+    load_experiment,
+    merge_overrides,
+    override_value,
+)
+from tests.fixtures_eval import micro_world, sweep_overrides  # noqa: F401
+
+PAPER_EXPERIMENTS = {
+    "table1_main",
+    "table3_beta",
+    "fig3_draft_len",
+    "pcg_vs_ssd",
+    "exactness",
+    "draft_training",
+}
+
+
+def _grid(cfg) -> dict[str, list[str]]:
+    return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+
+def test_every_paper_experiment_has_a_config():
+    assert PAPER_EXPERIMENTS <= set(experiment_names())
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_EXPERIMENTS))
+def test_experiment_composes_with_the_sweep_config_and_documents_the_paper(name):
+    cfg = load_experiment(name)
+    assert cfg.reproduce.title and cfg.reproduce.paper, "each experiment quotes the paper's numbers"
+    assert 5 <= cfg.eval.n_utts <= 40, "toy budget: make reproduce-toy must fit in about an hour"
+    for grid in cfg.reproduce.get("extra_grids") or []:
+        assert set(grid) <= set(cfg) | {"acceptance", "decoding"}, grid
+
+
+def test_table1_compares_ar_draft_alone_and_ssd_at_the_papers_setting():
+    cfg = load_experiment("table1_main")
+    assert _grid(cfg) == {"decoding": ["ar", "draft_only", "speculative"]}
+    assert (cfg.acceptance.name, cfg.acceptance.beta, cfg.decoding.draft_len) == ("tolerance", 0.4, 3)
+
+
+def test_table3_sweeps_beta_at_draft_len_3_with_ar_and_a_dev_split():
+    cfg = load_experiment("table3_beta")
+    assert [float(b) for b in _grid(cfg)["beta"]] == [0, 0.1, 0.2, 0.3, 0.4]
+    assert cfg.draft_len == 3 and cfg.reproduce.baseline
+    assert "eval=toy_dev" in cfg.reproduce.dev  # beta chosen on held-out data
+
+
+def test_fig3_sweeps_draft_len_1_to_6_at_beta_04():
+    cfg = load_experiment("fig3_draft_len")
+    assert [int(d) for d in _grid(cfg)["draft_len"]] == [1, 2, 3, 4, 5, 6]
+    assert cfg.acceptance.beta == 0.4 and cfg.reproduce.baseline and cfg.reproduce.dev
+
+
+def test_pcg_vs_ssd_sweeps_theta_and_adds_exact_and_ssd():
+    cfg = load_experiment("pcg_vs_ssd")
+    grid = _grid(cfg)
+    assert grid["acceptance"] == ["pcg"] and len(grid["theta"]) >= 3
+    assert "0.4" in grid["theta"]  # the paper: theta ~ 0.38-0.45
+    extra = [dict(g) for g in cfg.reproduce.extra_grids]
+    assert {"acceptance": "exact"} in extra
+    assert any(g["acceptance"] == "tolerance" and "0.4" in str(g["beta"]).split(",") for g in extra)
+
+
+def test_exactness_runs_ar_against_beta_0():
+    cfg = load_experiment("exactness")
+    assert _grid(cfg) == {"decoding": ["ar", "speculative"]}
+    assert cfg.acceptance.name == "tolerance" and cfg.acceptance.beta == 0
+    assert cfg.reproduce.study == "exactness" and cfg.reproduce.chi_square.samples >= 10000
+
+
+def test_draft_training_trains_the_papers_draft_kd_and_more_layers_and_evaluates_on_dev():
+    cfg = load_experiment("draft_training")
+    assert cfg.eval.split == "dev"
+    variants = cfg.reproduce.train.variants
+    paper = variants.paper_ce_2layers
+    assert list(paper["draft.trainable"]) == ["layers.0", "layers.1", "head"] and paper.kd_weight == 0
+    assert any(v.kd_weight > 0 for v in variants.values())
+    assert max(len(v["draft.trainable"]) for v in variants.values()) > len(paper["draft.trainable"])
+
+
+def test_unknown_experiment_names_the_choices():
+    with pytest.raises(ValueError, match="table1_main"):
+        load_experiment("table_9")
+
+
+def test_override_helpers():
+    assert override_value(["layers.0", "head"]) == "[layers.0,head]" and override_value(None) == "null"
+    assert merge_overrides(["eval.n_utts=10", "eval=toy_dev"], ["eval.n_utts=2"]) == [
+        "eval=toy_dev",
+        "eval.n_utts=2",
+    ]
+
+
+# --- the chi-square ----------------------------------------------------------------------------------
+
+
+def test_chi_square_pools_rare_cells_and_separates_laws():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.multinomial(torch.tensor([0.5, 0.3, 0.2, 0.0001]), 4000, True, generator=gen).tolist()
+    b = torch.multinomial(torch.tensor([0.5, 0.3, 0.2, 0.0001]), 4000, True, generator=gen).tolist()
+    c = torch.multinomial(torch.tensor([0.4, 0.4, 0.2, 0.0001]), 4000, True, generator=gen).tolist()
+    same, different = chi_square_homogeneity(a, b), chi_square_homogeneity(a, c)
+    assert same["p_value"] > 0.001 and different["p_value"] < 1e-6
+    assert same["cells"] <= 4
+
+
+def test_exactness_chi_square_accepts_beta_0_and_rejects_beta_04_and_the_no_ras_verifier(tmp_path):
+    """Statistical test, fixed seeds: 6000 decodes per arm of the first 3 tokens on a tiny random target
+    with RAS; equality is rejected at p < 0.001."""
+    from ssd.decoding.sampling import SamplingConfig
+    from ssd.models.cosyvoice2 import CosyVoice2LM
+    from ssd.models.draft import build_draft
+    from tests.fixtures_models import TINY_SPEECH_TOKENS, make_tiny_cosyvoice2_dir
+
+    torch.set_num_threads(1)
+    target = CosyVoice2LM.from_dir(make_tiny_cosyvoice2_dir(tmp_path / "target"))
+    draft = build_draft(target, [0])
+    stops = (TINY_SPEECH_TOKENS, TINY_SPEECH_TOKENS + 1, TINY_SPEECH_TOKENS + 2)
+    sampling = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10, stop_tokens=stops,
+                              eos_mode="resample")  # fmt: skip
+
+    def make_prompt(rows):
+        return target.make_prompt(
+            ["set blue at zero now"] * rows, ["bin red"] * rows, [[1, 2, 3, 1, 2]] * rows
+        )
+
+    table = exactness_chi_square(target, draft, sampling, make_prompt, samples=6000, batch=3000, alpha=0.001)
+    accepted = dict(zip(table["arm"], table["equal law accepted"]))
+    assert accepted == {
+        "speculative beta = 0 (RAS law in the verifier)": True,
+        "speculative beta = 0.4": False,
+        "speculative beta = 0, verifier without RAS (plain top-k/top-p)": False,
+    }
+
+
+# --- the driver, end to end on the micro world ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world, tmp_path):  # noqa: F811
+    from ssd.evaluation.experiments import reproduce
+
+    overrides = [
+        o for o in sweep_overrides(micro_world, n_utts=2, max_len=20) if not o.startswith("eval.n_speakers")
+    ]
+    overrides += ["eval.n_speakers=1", "draft.checkpoint=null", "reproduce.chi_square.samples=600", "reproduce.chi_square.batch=600",
+                  "reproduce.tv_drift.prompts=2"]  # fmt: skip
+    out = reproduce("exactness", tmp_path, overrides)
+    for name in ("table.md", "table.csv", "table.tex", "summary.md", "command.txt", "git_commit.txt",
+                 "machine.txt", "chi_square.csv", "tv_drift.csv", "paired_differences.csv",
+                 "fig_tv_drift_vs_beta.png", "fig_alpha_per_position.png"):  # fmt: skip
+        assert (out / name).is_file(), name
+    assert {p.name for p in (out / "runs" / "test").iterdir() if p.is_dir()} == {
+        "decoding=ar",
+        "decoding=speculative",
+    }
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert sorted(r["decoding"] for r in rows) == ["ar", "speculative"]
+    commands = (out / "command.txt").read_text()
+    assert "sweep.py -m experiment=exactness" in commands and "paths.data_dir=" in commands
+    assert "cores:" in (out / "machine.txt").read_text() and "torch:" in (out / "machine.txt").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "6.34" in summary and "Chi-square" in summary and "paired" in summary
+    tv = list(csv.DictReader((out / "tv_drift.csv").open()))
+    assert float(tv[0]["mean TV"]) < 1e-6 < float(tv[-1]["mean TV"])  # beta = 0 exact, beta = 0.4 drifts
+
+    before = {p: p.read_bytes() for p in (out / "runs" / "test").rglob("utterances.jsonl")}
+    reproduce("exactness", tmp_path, overrides)  # rerun: every utterance is already done
+    assert {p: p.read_bytes() for p in before} == before
+    assert "2 already done, 0 to go" in (out / "runs" / "logs" / "sweep.log").read_text()
+
+
+def test_results_dir_layout_is_documented():
+    readme = Path(__file__).resolve().parents[1] / "experiments" / "README.md"
+    text = readme.read_text()
+    for name in PAPER_EXPERIMENTS:
+        assert f"results/{name}/summary.md" in text, name
