@@ -19,6 +19,7 @@ probe size (12 layers, hidden 512) with a draft of target layers [0, 1, 11].
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -173,6 +174,12 @@ def main() -> None:
     parser.add_argument("--draft-lens", default="1,2,3,4,5")
     parser.add_argument("--rules", default="synthetic:0.6,synthetic:0.7,synthetic:0.8,exact")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--verify-rows",
+        type=int,
+        default=None,
+        help="also run every setting with verify calls padded to this many rows",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -185,7 +192,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    console = Console()
+    console = Console(width=170)
     target, draft = build_models(args)
     prompt = make_prompt(args)
     # CosyVoice 2's sampler (RAS), no stop tokens so every run generates exactly --tokens.
@@ -199,7 +206,8 @@ def main() -> None:
         f"[bold]draft[/] layers [{args.draft_layers}]; {args.dtype} on {device_name}; context {args.prompt_len}"
     )
 
-    blocks = sorted({1, *[k + 1 for k in map(int, args.draft_lens.split(","))], 8})
+    paddings = [None] if args.verify_rows is None else [None, args.verify_rows]
+    blocks = sorted({1, *[k + 1 for k in map(int, args.draft_lens.split(","))], 8, args.verify_rows or 1})
     target_cost = step_costs(target, prompt, args, blocks)
     draft_cost = step_costs(draft, prompt, args, [1, 2])
     c = draft_cost[1] / target_cost[1]
@@ -246,9 +254,11 @@ def main() -> None:
         name, _, value = spec.partition(":")
         rule = make_rule(name, alpha=float(value)) if name == "synthetic" else make_rule(name)
         label = f"{name} α={value} (SYNTHETIC)" if name == "synthetic" else name
-        for k in map(int, args.draft_lens.split(",")):
+        for k, rows in itertools.product(map(int, args.draft_lens.split(",")), paddings):
+            if rows is not None and rows <= k + 1:
+                continue
             seconds, result = run(
-                lambda rule=rule, k=k: decode_speculative(
+                lambda rule=rule, k=k, rows=rows: decode_speculative(
                     target,
                     draft,
                     prompt,
@@ -257,20 +267,21 @@ def main() -> None:
                     draft_len=k,
                     max_len=args.tokens,
                     generator=torch.Generator().manual_seed(0),
+                    verify_rows=rows,
                 )  # fmt: skip
             )
             s = result.stats
             alphas = [a for a in s.alpha_per_position]
             # Per round: k draft calls (the first feeds 2 tokens after round 1) + one verify of k+1 rows.
-            round_cost = draft_cost[2] + (k - 1) * draft_cost[1] + target_cost[k + 1]
+            round_cost = draft_cost[2] + (k - 1) * draft_cost[1] + target_cost[rows or k + 1]
             predicted = expected_tokens(alphas) / round_cost * ar_time / args.tokens
             measured = ar_time / seconds
             table.add_row(
-                label, str(k), f"{args.tokens / seconds:.1f}", f"{seconds:.3f}",
+                label, f"{k}" + (f" (verify {rows} rows)" if rows else ""), f"{args.tokens / seconds:.1f}", f"{seconds:.3f}",
                 " ".join("-" if math.isnan(a) else f"{a:.2f}" for a in alphas), f"{s.tokens_per_target_call:.2f}",
                 f"{measured:.2f}x", f"{predicted:.2f}x", f"{measured / predicted:.2f}",
             )  # fmt: skip
-            figures["runs"].append(dict(rule=label, draft_len=k, seconds=seconds, alphas=alphas,
+            figures["runs"].append(dict(rule=label, draft_len=k, verify_rows=rows, seconds=seconds, alphas=alphas,
                                         speedup=measured, predicted=predicted,
                                         tokens_per_target_call=s.tokens_per_target_call))  # fmt: skip
     console.print(table)

@@ -311,3 +311,16 @@ def test_measured_acceptance_matches_the_overlap_it_estimates():
     assert s.tv_per_position == [0.0, 0.0, 0.0]  # exact rules are not tracked
     for measured, predicted, n in zip(s.alpha_per_position, s.overlap_per_position, s.proposed):
         assert abs(measured - predicted) < 4 * (0.25 / n) ** 0.5
+
+
+@pytest.mark.parametrize("verify_rows", [4, 8])
+def test_padded_verification_changes_nothing_but_the_cost(verify_rows):
+    target, draft = trigram_pair(VOCAB, seed=3)
+    runs = [
+        decode_speculative(
+            target, draft, PROMPT.expand(32, -1), RAS, ExactRule(), draft_len=3, max_len=30, min_len=2,
+            generator=torch.Generator().manual_seed(0), verify_rows=rows,
+        ).tokens
+        for rows in (None, verify_rows)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]

@@ -257,18 +257,22 @@ def decode_speculative(
     generator: torch.Generator | None = None,
     track_tv: bool | None = None,
     draft_prompt=None,
+    verify_rows: int | None = None,
 ) -> DecodeResult:
     """Speculative decoding of `target` with `draft`, verified by `rule`.
 
     sampling: the target's law (also the draft's unless draft_sampling is given).
     track_tv: log the exact per-step TV between the rule's output law and q
               (default: on for inexact rules whose law is O(V) to compute, e.g. tolerance β > 0).
+    verify_rows: pad every verify call to this many rows (filler rows are rolled back unread).
+              On CPUs a matmul of 8 rows can cost less than one of 4-5 (ENVIRONMENT.md);
+              `scripts/bench_decoding.py --verify-rows 8` measures whether it pays on yours.
     """
     draft_sampling = draft_sampling or sampling
     track_tv = (not rule.exact and rule.cheap_output_law) if track_tv is None else track_tv
     stats = DecodeStats()
     k_max = adaptive.max_len if adaptive else draft_len
-    room = 2 * int(torch.as_tensor(max_len).max()) + k_max + 2  # finished rows grow 1 token a round
+    room = 2 * int(torch.as_tensor(max_len).max()) + max(k_max + 1, verify_rows or 0) + 1  # finished rows grow 1 a round
     cache_t, logits_t = target.prefill(prompt, room)
     cache_d, _ = draft.prefill(prompt if draft_prompt is None else draft_prompt, room)
     device, batch = logits_t.device, logits_t.shape[0]
@@ -299,7 +303,11 @@ def decode_speculative(
         stats.time_draft += clock.lap()
 
         # Verify all k in one target call.
-        logits_v = target.extend(cache_t, torch.cat([pending_t, xs], 1)).to(torch.float32)
+        block = torch.cat([pending_t, xs], 1)
+        pad = max(0, (verify_rows or 0) - (k + 1))
+        if pad:
+            block = torch.cat([block, xs[:, -1:].expand(-1, pad)], 1)
+        logits_v = target.extend(cache_t, block)[:, : k + 1].to(torch.float32)
         stats.target_calls += 1
         vocab = logits_v.shape[-1]
         steps = (step.unsqueeze(-1) + torch.arange(k + 1, device=device)).reshape(-1)
@@ -319,7 +327,7 @@ def decode_speculative(
         block[rows, n_acc] = y
         out.emit(block, n_acc + 1)
 
-        target.rollback(cache_t, k - n_acc)
+        target.rollback(cache_t, k - n_acc + pad)
         draft.rollback(cache_d, k - n_acc)
         before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
         pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
