@@ -65,8 +65,6 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
             pytest.skip(f"the toy world needs `{tool}` (apt-get install -y flite sox)")
     micro = OmegaConf.load(REPO / "configs" / "toy_world" / "micro.yaml")
     del micro["dir"]  # ${paths.data_dir}/...: the root is given here instead
-    # OneCycleLR in the codec's decoder training divides by zero below ~40 steps (told the toy helper).
-    micro.codec.decoder_max_steps = max(40, micro.codec.decoder_max_steps)
     toy = data_dir / "toy"
     stages = [s for s in STAGES if s.name in ("corpus", "codec")]
     build_toy_world(micro, toy, stages, progress=False, console=Console(quiet=True))

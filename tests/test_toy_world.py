@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from omegaconf import OmegaConf
 
 from ssd.audio.toy_codec import ToyCodec
@@ -120,6 +121,37 @@ def test_codec_save_load_is_identical(world, tmp_path):
         ToyCodec.load(tmp_path / "nothing")
 
 
+def test_codec_decoder_training_is_step_based_and_deterministic(world):
+    root, cfg, _ = world
+    wavs = sorted((root / "corpus" / "train-clean-100").glob("*/*/*.wav"))
+    codec_cfg = {**cfg["codec"], "decoder_max_steps": 6}
+    first = ToyCodec.fit(wavs, codec_cfg, seed=0, progress=False)
+    second = ToyCodec.fit(wavs, codec_cfg, seed=0, progress=False)
+    assert first.fit_report["decoder_steps"] == 6
+    assert first.fit_report["decoder_stopped_by_seconds_cap"] is False
+    for name, weights in first.decoder.state_dict().items():
+        assert torch.equal(weights, second.decoder.state_dict()[name]), name
+    # The seconds value is only a safety cap, and the fit report says when it cut training short.
+    capped = ToyCodec.fit(wavs, {**codec_cfg, "decoder_train_seconds": 0.0}, seed=0, progress=False)
+    assert capped.fit_report["decoder_stopped_by_seconds_cap"] is True
+    assert capped.fit_report["decoder_steps"] < 6
+
+
+def test_codec_log_mel_decoder_target(world, tmp_path):
+    root, cfg, _ = world
+    wavs = sorted((root / "corpus" / "train-clean-100").glob("*/*/*.wav"))
+    codec = ToyCodec.fit(wavs, {**cfg["codec"], "decoder_target": "log_mel"}, seed=0, progress=False)
+    codec.save(tmp_path / "mel")
+    again = ToyCodec.load(tmp_path / "mel")
+    wav, sr = sf.read(wavs[0], dtype="float32")
+    tokens = codec.encode(wav, sr)
+    audio = again.decode(tokens, prompt_wav=wav)
+    assert len(audio) == len(tokens) * codec.sample_rate // 25 and np.isfinite(audio).all()
+    assert np.allclose(audio, codec.decode(tokens, prompt_wav=wav), atol=1e-5)
+    with pytest.raises(ValueError, match="decoder_target"):
+        ToyCodec.fit(wavs, {**cfg["codec"], "decoder_target": "mel"}, progress=False)
+
+
 def _stamp(root: Path) -> dict[str, float]:
     return {d.name: (d / DONE_FILE).stat().st_mtime_ns for d in root.iterdir() if (d / DONE_FILE).exists()}
 
@@ -137,13 +169,15 @@ def test_rebuild_skips_redoes_and_propagates(world, tmp_path):
     (root / "codec" / DONE_FILE).unlink()
     (root / "codec" / "leftover.tmp").write_text("half-written")
     statuses = {r.name: r.status for r in build_toy_world(cfg, root, progress=False)}
-    assert statuses == {"corpus": "skipped", "codec": "built"}
+    downstream = [s.name for s in STAGES if s.name not in ("corpus", "codec")]
+    # The codec refit is deterministic (step-based training), so later stages keep their hashes.
+    assert statuses == {"corpus": "skipped", "codec": "built", **dict.fromkeys(downstream, "skipped")}
     assert not (root / "codec" / "leftover.tmp").exists()
 
     # A changed corpus config rebuilds the corpus and everything downstream.
     cfg["corpus"]["subsets"]["test-clean"]["utterances_per_speaker"] += 1
     statuses = {r.name: r.status for r in build_toy_world(cfg, root, progress=False)}
-    assert statuses == {"corpus": "built", "codec": "built"}
+    assert statuses == dict.fromkeys([s.name for s in STAGES], "built")
 
 
 def test_changed_stage_rebuilds_only_downstream(tmp_path):
