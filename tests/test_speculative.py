@@ -58,11 +58,11 @@ def outcome(tokens: list[int], length=3) -> tuple:
     return head if len(head) == length else head + (EOS,)
 
 
-def p_value(samples: list[list[int]], law: dict[tuple, float]) -> float:
-    """Chi-square goodness of fit; cells with expected count < 5 are pooled."""
+def chi_square(samples: list[list[int]], law: dict[tuple, float]) -> tuple[float, int, float]:
+    """Chi-square goodness of fit (statistic, df, p); cells with expected count < 5 are pooled."""
     counts = Counter(map(outcome, samples))
     if set(counts) - set(law):
-        return 0.0  # an impossible sequence was produced
+        return float("inf"), 0, 0.0  # an impossible sequence was produced
     keys = sorted(law, key=law.get, reverse=True)
     expected = np.array([law[k] * len(samples) for k in keys])
     observed = np.array([counts.get(k, 0) for k in keys])
@@ -70,7 +70,12 @@ def p_value(samples: list[list[int]], law: dict[tuple, float]) -> float:
     if small.any():
         expected = np.append(expected[~small], expected[small].sum())
         observed = np.append(observed[~small], observed[small].sum())
-    return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+    result = chisquare(observed, expected * observed.sum() / expected.sum())
+    return float(result.statistic), len(observed) - 1, float(result.pvalue)
+
+
+def p_value(samples: list[list[int]], law: dict[tuple, float]) -> float:
+    return chi_square(samples, law)[2]
 
 
 def spec_samples(cfg, rule, draft_len, seed=0, draft_sampling=None, max_len=3):
