@@ -47,6 +47,21 @@ def test_every_stage_finishes_and_is_summarised(micro_world):
     assert 0 <= summary["sim_generated_vs_prompt"] <= 1
     assert summary["target_tokens_per_s"] > 0
     assert "toy world" in stdout  # the summary table
+    tokens = read_done(root / "tokens")["summary"]
+    assert 0 < tokens["prompt_pairs"] < tokens["utterances"]  # same-speaker pairs in the zero-shot layout
+
+
+def test_prompt_pairs_join_two_utterances_of_one_speaker(micro_world):
+    import pyarrow.parquet as pq
+
+    root, _ = micro_world
+    pairs = pq.read_table(root / "tokens" / "shards" / "shard-pairs.parquet").to_pylist()
+    singles = {r["utt"]: r for r in pq.read_table(root / "tokens" / "shards" / "shard-00000.parquet").to_pylist()}
+    for pair in pairs:
+        a, b = (singles[u] for u in pair["utt"].split("+"))
+        assert a["speaker"] == b["speaker"] == pair["speaker"]
+        assert pair["speech_tokens"] == a["speech_tokens"] + b["speech_tokens"]
+        assert pair["text_tokens"] == a["text_tokens"] + b["text_tokens"]
 
 
 def test_trained_target_and_draft_load_and_generate(micro_world):

@@ -62,11 +62,33 @@ def run_tokens(ctx: StageContext) -> dict:
         log=None,
     )
     summary = json.loads((ctx.out_dir / "shards" / "summary.json").read_text())
-    return {
-        "utterances": summary["n_kept"],
-        "speech_tokens": summary["speech_tokens"],
-        "text_words": len(words),
-    }
+    pairs = write_prompt_pairs(ctx.out_dir / "shards") if ctx.config.get("prompt_pairs", False) else 0
+    return {"utterances": summary["n_kept"], "prompt_pairs": pairs, "speech_tokens": summary["speech_tokens"],
+            "text_words": len(words)}  # fmt: skip
+
+
+def write_prompt_pairs(shard_dir: Path) -> int:
+    """Add same-speaker utterance pairs (text a + text b, speech a + speech b) as extra rows.
+
+    Zero-shot inference feeds [prompt text + text, prompt speech] and continues; a tiny LM trained
+    on single utterances only never saw that layout (measured on the toy world: generation WER
+    100 % with a prompt vs 89 % without). Pairs put the inference layout in the training data.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ssd.data.prepare import SHARD_SCHEMA
+
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(shard_dir.glob("shard-*.parquet")))
+    rows = sorted(table.to_pylist(), key=lambda r: (r["subset"], r["speaker"], r["utt"]))
+    pairs = [
+        {"utt": f"{a['utt']}+{b['utt']}", "speaker": a["speaker"], "subset": a["subset"],
+         "text": f"{a['text']} {b['text']}", "text_tokens": a["text_tokens"] + b["text_tokens"],
+         "speech_tokens": a["speech_tokens"] + b["speech_tokens"], "duration": a["duration"] + b["duration"]}
+        for a, b in zip(rows, rows[1:]) if (a["subset"], a["speaker"]) == (b["subset"], b["speaker"])
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(pairs, schema=SHARD_SCHEMA), shard_dir / "shard-pairs.parquet")
+    return len(pairs)
 
 
 def _train(ctx: StageContext, overrides: list[str]) -> dict:
