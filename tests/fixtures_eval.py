@@ -88,7 +88,8 @@ def micro_settings(world: MicroWorld, n_utts: int = 4, max_len: int = 30) -> dic
             "speech_token_size": world.codebook,
             "sampling": {"stop_tokens": [world.codebook, world.codebook + 1, world.codebook + 2]},
         },
-        "draft": {"layers": [0], "checkpoint": None},  # untrained 1-layer draft of the 3-layer target: alpha < 1
+        # An untrained 1-layer draft of the 3-layer target, so alpha < 1.
+        "draft": {"layers": [0], "checkpoint": None},
         "asr": {"model_dir": str(world.whisper_dir), "cpu_threads": 1},
         "eval": {
             "n_utts": n_utts,

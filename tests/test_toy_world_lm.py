@@ -56,7 +56,9 @@ def test_prompt_pairs_join_two_utterances_of_one_speaker(micro_world):
 
     root, _ = micro_world
     pairs = pq.read_table(root / "tokens" / "shards" / "shard-pairs.parquet").to_pylist()
-    singles = {r["utt"]: r for r in pq.read_table(root / "tokens" / "shards" / "shard-00000.parquet").to_pylist()}
+    singles = {
+        r["utt"]: r for r in pq.read_table(root / "tokens" / "shards" / "shard-00000.parquet").to_pylist()
+    }
     for pair in pairs:
         a, b = (singles[u] for u in pair["utt"].split("+"))
         assert a["speaker"] == b["speaker"] == pair["speaker"]

@@ -272,7 +272,8 @@ def decode_speculative(
     track_tv = (not rule.exact and rule.cheap_output_law) if track_tv is None else track_tv
     stats = DecodeStats()
     k_max = adaptive.max_len if adaptive else draft_len
-    room = 2 * int(torch.as_tensor(max_len).max()) + max(k_max + 1, verify_rows or 0) + 1  # finished rows grow 1 a round
+    # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.
+    room = 2 * int(torch.as_tensor(max_len).max()) + max(k_max + 1, verify_rows or 0) + 1
     cache_t, logits_t = target.prefill(prompt, room)
     cache_d, _ = draft.prefill(prompt if draft_prompt is None else draft_prompt, room)
     device, batch = logits_t.device, logits_t.shape[0]
