@@ -80,13 +80,15 @@ def summarize_wer(utterances: Iterable[UtteranceWER]) -> WERSummary:
     items: Sequence[UtteranceWER] = list(utterances)
     if not items:
         raise ValueError("summarize_wer: no utterances to summarise")
-    errors = sum(u.errors for u in items)
-    ref_words = sum(u.ref_words for u in items)
+    # One aggregation for the project: the run-level metrics' functions, over the same record fields.
+    from ssd.evaluation.metrics import corpus_wer, mean_utterance_wer
+
+    records = [u.as_dict() for u in items]
     return WERSummary(
-        corpus_wer=errors / ref_words,
-        mean_utterance_wer=sum(u.wer for u in items) / len(items),
-        errors=errors,
-        ref_words=ref_words,
+        corpus_wer=corpus_wer(records),
+        mean_utterance_wer=mean_utterance_wer(records),
+        errors=sum(u.errors for u in items),
+        ref_words=sum(u.ref_words for u in items),
         num_utterances=len(items),
     )
 
