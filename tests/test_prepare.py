@@ -141,7 +141,10 @@ def test_toy_codec_kind(setup, tmp_path):
     toy_codec = pytest.importorskip("ssd.audio.toy_codec")
     corpus, out, kwargs = setup
     wavs = sorted(str(p) for p in corpus.rglob("*.wav"))[:4]
+    with pytest.raises(FileNotFoundError, match="no phone alignment.*codec.features=log_mel"):
+        toy_codec.ToyCodec.fit(wavs, {"codebook_size": 8}, seed=0, progress=False)
     cfg = {
+        "features": "log_mel",  # this corpus has no flite alignments
         "codebook_size": 8,
         "pca_dim": 4,
         "decoder_max_steps": 2,

@@ -13,8 +13,9 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
-from ssd.audio.toy_codec import ToyCodec
+from ssd.audio.toy_codec import ToyCodec, ToyCodecConfig, phone_state_labels
 from ssd.data.grid_language import GridLanguage
+from ssd.data.toy_corpus import ALIGNMENT_SUFFIX, ToySpeaker, read_alignment, synthesize
 from ssd.data.toy_world import DONE_FILE, STAGES, Stage, build_toy_world
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -55,6 +56,35 @@ def test_libritts_layout(world):
     assert not speakers["test-clean"] & speakers["train-clean-100"]
     assert not speakers["dev-clean"] & speakers["train-clean-100"]
     assert not speakers["dev-clean"] & speakers["test-clean"]
+
+
+def test_phone_alignment_beside_each_wav(world):
+    root, _, _ = world
+    for wav in sorted((root / "corpus").glob("*/*/*/*.wav")):
+        alignment = read_alignment(wav.with_suffix(ALIGNMENT_SUFFIX))
+        ends = [end for _, end in alignment]
+        assert ends == sorted(ends) and alignment[0][0] == "pau" and alignment[-1][0] == "pau"
+        # Speech ends inside the audio; the final pause runs to its end (kal16 cuts its last pause short).
+        duration = sf.info(wav).duration
+        assert ends[-2] < duration and ends[-1] > duration - 0.03, wav
+
+
+def test_tempo_scales_the_alignment():
+    for tempo in (1.0, 1.5):
+        wav, alignment = synthesize("bin blue at one now", ToySpeaker(1, "slt", 200, tempo))
+        assert abs(alignment[-1][1] - len(wav) / 16000) < 0.03, tempo
+    with pytest.raises(FileNotFoundError, match="no phone alignment"):
+        read_alignment("/nonexistent/x.phones.txt")
+
+
+def test_phone_state_labels():
+    cfg = ToyCodecConfig()  # 100 Hz frames, 3 states per phone
+    alignment = [("pau", 0.055), ("b", 0.125), ("pau", 0.2)]
+    labels = phone_state_labels(alignment, 20, cfg, {"b": 0, "pau": 1}).numpy()
+    phone, state = labels // 3, labels % 3
+    assert phone.tolist() == [1] * 6 + [0] * 7 + [1] * 7
+    for segment in (state[:6], state[6:13], state[13:]):
+        assert segment[0] == 0 and segment[-1] == 2 and (np.diff(segment) >= 0).all()
 
 
 def test_corpus_text_is_the_language(world):
@@ -119,6 +149,9 @@ def test_codec_save_load_is_identical(world, tmp_path):
     assert np.allclose(codec.decode(tokens), again.decode(tokens), atol=1e-5)
     with pytest.raises(FileNotFoundError, match="codec.json"):
         ToyCodec.load(tmp_path / "nothing")
+    (tmp_path / "copy" / "encoder.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="encoder.pt"):
+        ToyCodec.load(tmp_path / "copy")
 
 
 def test_codec_decoder_training_is_step_based_and_deterministic(world):
@@ -137,19 +170,28 @@ def test_codec_decoder_training_is_step_based_and_deterministic(world):
     assert capped.fit_report["decoder_steps"] < 6
 
 
-def test_codec_log_mel_decoder_target(world, tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [{"decoder_target": "log_magnitude"}, {"features": "log_mel"}],
+    ids=["log_magnitude", "log_mel"],
+)
+def test_codec_alternatives(world, tmp_path, options):
     root, cfg, _ = world
     wavs = sorted((root / "corpus" / "train-clean-100").glob("*/*/*.wav"))
-    codec = ToyCodec.fit(wavs, {**cfg["codec"], "decoder_target": "log_mel"}, seed=0, progress=False)
-    codec.save(tmp_path / "mel")
-    again = ToyCodec.load(tmp_path / "mel")
+    codec = ToyCodec.fit(wavs, {**cfg["codec"], **options}, seed=0, progress=False)
+    assert (codec.encoder is None) == (options.get("features") == "log_mel")
+    codec.save(tmp_path / "alt")
+    again = ToyCodec.load(tmp_path / "alt")
     wav, sr = sf.read(wavs[0], dtype="float32")
     tokens = codec.encode(wav, sr)
+    assert np.array_equal(tokens, again.encode(wav, sr))
     audio = again.decode(tokens, prompt_wav=wav)
     assert len(audio) == len(tokens) * codec.sample_rate // 25 and np.isfinite(audio).all()
     assert np.allclose(audio, codec.decode(tokens, prompt_wav=wav), atol=1e-5)
     with pytest.raises(ValueError, match="decoder_target"):
         ToyCodec.fit(wavs, {**cfg["codec"], "decoder_target": "mel"}, progress=False)
+    with pytest.raises(ValueError, match="features must be one of"):
+        ToyCodec.fit(wavs, {**cfg["codec"], "features": "mfcc"}, progress=False)
 
 
 def _stamp(root: Path) -> dict[str, float]:

@@ -1,7 +1,12 @@
 """The toy world's speech tokenizer (audio -> 25 Hz tokens) and vocoder (tokens -> audio).
 
-Tokenizer: 80-bin log-mel at 100 Hz with the utterance's mean removed (so the codebook spends its
-entries on content, not on voice), 4 frames stacked per 25 Hz token, PCA, k-means.
+Tokenizer (features="phonetic", the default): like CosyVoice 2's supervised semantic tokens. A small
+convolutional encoder over the utterance-mean-removed 80-bin log-mel (100 Hz) is trained to classify
+each frame's phone state (flite's alignment, 3 states per phone); its bottleneck features, 4 frames
+stacked per 25 Hz token, are PCA-projected and clustered by k-means. Trained across speakers to predict
+phones, the tokens carry the words and little of the voice, so an LM trained on them meets speakers it
+never saw in the same token language. (features="log_mel" clusters the mean-removed log-mel itself:
+those tokens keep the speaker's formants, and the toy target then fails on unseen speakers.)
 Vocoder: a small convolutional decoder maps tokens (with context on both sides) plus the prompt's
 mean log-mel (the voice, as CosyVoice's flow stage takes the prompt mel) to a log-magnitude
 spectrogram; Griffin-Lim turns that into a waveform. Everything is fitted on the toy training split.
@@ -22,8 +27,9 @@ import torch
 from torch import nn
 
 # Bump when the saved format changes; load() refuses other versions.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DECODER_TARGETS = ("log_magnitude", "log_mel")
+FEATURES = ("phonetic", "log_mel")
 
 
 @dataclass
@@ -35,6 +41,15 @@ class ToyCodecConfig:
     n_fft: int = 1024
     n_mels: int = 80
     codebook_size: int = 1024
+    features: str = "phonetic"  # see the module docstring
+    phone_states: int = 3  # classes per phone for the phonetic encoder (begin/middle/end)
+    encoder_channels: int = 192
+    encoder_layers: int = 3  # dilated convs after the input conv
+    encoder_bottleneck: int = 32  # per-frame feature the tokens are clustered from
+    encoder_max_steps: int = 400
+    encoder_batch_size: int = 16
+    encoder_crop_frames: int = 200
+    encoder_lr: float = 2e-3
     pca_dim: int = 64  # 0 = cluster the raw stacked frames
     kmeans_max_vectors: int = 150_000
     kmeans_iters: int = 40
@@ -58,6 +73,8 @@ class ToyCodecConfig:
                 f"ToyCodecConfig: sample_rate {self.sample_rate} must be a multiple of "
                 f"hop_length*token_rate = {self.hop_length * self.token_rate}"
             )
+        if self.features not in FEATURES:
+            raise ValueError(f"ToyCodecConfig: features must be one of {FEATURES}, got {self.features!r}")
         if self.decoder_target not in DECODER_TARGETS:
             raise ValueError(
                 f"ToyCodecConfig: decoder_target must be one of {DECODER_TARGETS}, got {self.decoder_target!r}"
@@ -127,6 +144,61 @@ class TokenDecoder(nn.Module):
         return self.out(x)
 
 
+class PhoneticEncoder(nn.Module):
+    """Mean-removed log-mel [B, n_mels, T] -> bottleneck features [B, D, T]; `classify` -> phone-state logits."""
+
+    def __init__(self, cfg: ToyCodecConfig, n_classes: int) -> None:
+        super().__init__()
+        c = cfg.encoder_channels
+        self.inp = nn.Conv1d(cfg.n_mels, c, 5, padding=2)
+        self.convs = nn.ModuleList(
+            nn.Conv1d(c, c, 5, padding=2 * 2**i, dilation=2**i) for i in range(cfg.encoder_layers)
+        )
+        self.bottleneck = nn.Conv1d(c, cfg.encoder_bottleneck, 1)
+        self.classify = nn.Conv1d(cfg.encoder_bottleneck, n_classes, 1)
+
+    def features(self, normed_log_mel: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.gelu(self.inp(normed_log_mel))
+        for conv in self.convs:
+            x = x + torch.nn.functional.gelu(conv(x))
+        return self.bottleneck(x)
+
+    def forward(self, normed_log_mel: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.features(normed_log_mel))
+
+
+def frame_features(log_mel: torch.Tensor, encoder: PhoneticEncoder | None) -> torch.Tensor:
+    """Per-frame features the tokens are clustered from [D, frames]: the utterance-mean-removed log-mel,
+    through the phonetic encoder when there is one."""
+    normed = log_mel - log_mel.mean(dim=1, keepdim=True)
+    if encoder is None:
+        return normed
+    if normed.shape[1] == 0:  # shorter than one frame: convolutions cannot pad an empty input
+        return normed.new_zeros(encoder.bottleneck.out_channels, 0)
+    with torch.inference_mode():
+        return encoder.features(normed[None])[0]
+
+
+def stack_frames(frames: torch.Tensor, frames_per_token: int) -> np.ndarray:
+    """[D, frames] -> [T_tok, D * frames_per_token]: the frames of each 25 Hz token side by side."""
+    t = frames.shape[1] // frames_per_token
+    return frames[:, : t * frames_per_token].T.reshape(t, frames.shape[0] * frames_per_token).numpy()
+
+
+def phone_state_labels(
+    alignment: Sequence[tuple[str, float]], n_frames: int, cfg: ToyCodecConfig, phones: dict[str, int]
+) -> torch.Tensor:
+    """Class per 100 Hz frame: phone index * phone_states + which part of the phone the frame's centre is in."""
+    centres = np.arange(n_frames) * cfg.hop_length / cfg.sample_rate  # centred STFT frames
+    ends = np.array([end for _, end in alignment])
+    starts = np.concatenate([[0.0], ends[:-1]])
+    seg = np.minimum(np.searchsorted(ends, centres, side="right"), len(ends) - 1)
+    position = (centres - starts[seg]) / np.maximum(ends[seg] - starts[seg], 1e-6)
+    state = np.clip((position * cfg.phone_states).astype(int), 0, cfg.phone_states - 1)
+    ids = np.array([phones[p] for p, _ in alignment])[seg]
+    return torch.from_numpy(ids * cfg.phone_states + state)
+
+
 class ToyCodec:
     """Fitted tokenizer + vocoder. Build with `fit`, persist with `save`/`load`."""
 
@@ -138,8 +210,16 @@ class ToyCodec:
         centroids: np.ndarray,
         mean_voice: np.ndarray,
         decoder: TokenDecoder,
+        encoder: PhoneticEncoder | None = None,
+        phones: Sequence[str] = (),
     ) -> None:
+        if (encoder is None) != (cfg.features != "phonetic"):
+            raise ValueError(
+                f"ToyCodec: features={cfg.features!r} needs a phonetic encoder exactly when phonetic"
+            )
         self.cfg = cfg
+        self.encoder = None if encoder is None else encoder.eval()
+        self.phones = list(phones)
         self.pca_mean = pca_mean.astype(np.float32)
         self.pca_components = pca_components.astype(np.float32)
         self.centroids = centroids.astype(np.float32)
@@ -188,13 +268,6 @@ class ToyCodec:
             wav = resample_poly(wav, self.sample_rate // g, int(sr) // g).astype(np.float32)
         return wav
 
-    @staticmethod
-    def _token_features(log_mel: torch.Tensor, frames_per_token: int) -> np.ndarray:
-        """Mean-removed log-mel, frames stacked per token: [T_tok, n_mels * frames_per_token]."""
-        normed = log_mel - log_mel.mean(dim=1, keepdim=True)
-        t = normed.shape[1] // frames_per_token
-        return normed[:, : t * frames_per_token].T.reshape(t, log_mel.shape[0] * frames_per_token).numpy()
-
     def _project(self, feats: np.ndarray) -> np.ndarray:
         return (feats - self.pca_mean) @ self.pca_components.T
 
@@ -202,7 +275,7 @@ class ToyCodec:
         """Audio -> int64 tokens [T_tok] at `token_rate` (one token per 1/25 s; a tail shorter than that is dropped)."""
         wav = self._check_wav(wav, sr)
         log_mel = self._log_mel(self._magnitude(wav, self.cfg), self.mel_fb)
-        return self._nearest(self._token_features(log_mel, self.cfg.frames_per_token))
+        return self._nearest(stack_frames(frame_features(log_mel, self.encoder), self.cfg.frames_per_token))
 
     def voice_of(self, wav: np.ndarray, sr: int) -> np.ndarray:
         """The voice statistic the decoder is conditioned on: mean log-mel [n_mels] of `wav`."""
@@ -262,13 +335,22 @@ class ToyCodec:
             mean_voice=self.mean_voice,
         )
         torch.save(self.decoder.state_dict(), d / "decoder.pt")
-        meta = {"format_version": FORMAT_VERSION, "config": asdict(self.cfg), "fit_report": self.fit_report}
+        if self.encoder is not None:
+            torch.save(self.encoder.state_dict(), d / "encoder.pt")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "config": asdict(self.cfg),
+            "phones": self.phones,
+            "fit_report": self.fit_report,
+        }
         (d / "codec.json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, directory: str | Path) -> ToyCodec:
         d = Path(directory)
         missing = [n for n in ("codec.json", "codec.npz", "decoder.pt") if not (d / n).is_file()]
+        if not missing and json.loads((d / "codec.json").read_text())["config"].get("features") == "phonetic":
+            missing = [] if (d / "encoder.pt").is_file() else ["encoder.pt"]
         if missing:
             raise FileNotFoundError(
                 f"ToyCodec.load: {d} lacks {missing}; build it with scripts/build_toy_world.py"
@@ -279,11 +361,14 @@ class ToyCodec:
                 f"ToyCodec.load: {d / 'codec.json'} has format_version {meta.get('format_version')}, "
                 f"this code reads {FORMAT_VERSION}; rebuild the codec"
             )
-        # Codecs saved before decoder_target existed all predicted log-magnitude.
-        cfg = ToyCodecConfig.from_dict({"decoder_target": "log_magnitude", **meta["config"]})
+        cfg = ToyCodecConfig.from_dict(meta["config"])
         arrays = np.load(d / "codec.npz")
         decoder = TokenDecoder(cfg)
         decoder.load_state_dict(torch.load(d / "decoder.pt", map_location="cpu", weights_only=True))
+        encoder = None
+        if cfg.features == "phonetic":
+            encoder = PhoneticEncoder(cfg, len(meta["phones"]) * cfg.phone_states)
+            encoder.load_state_dict(torch.load(d / "encoder.pt", map_location="cpu", weights_only=True))
         codec = cls(
             cfg,
             arrays["pca_mean"],
@@ -291,6 +376,8 @@ class ToyCodec:
             arrays["centroids"],
             arrays["mean_voice"],
             decoder,
+            encoder,
+            meta["phones"],
         )
         codec.fit_report = meta.get("fit_report", {})
         return codec
@@ -316,7 +403,7 @@ class ToyCodec:
         t0 = time.perf_counter()
         try:
             fb = torch.from_numpy(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels))
-            feats, targets, voices = [], [], []
+            log_mels, targets, voices, kept = [], [], [], []
             for path in tqdm(wav_paths, desc="codec: features", disable=not progress):
                 wav, sr = sf.read(path, dtype="float32", always_2d=True)
                 if sr != cfg.sample_rate:
@@ -324,15 +411,20 @@ class ToyCodec:
                         f"ToyCodec.fit: {path} is {sr} Hz, the codec config says {cfg.sample_rate} Hz"
                     )
                 mag = cls._magnitude(wav[:, 0], cfg)
-                log_mel = cls._log_mel(mag, fb)
                 if mag.shape[1] == 0:
                     continue
-                feats.append(cls._token_features(log_mel, cfg.frames_per_token))
+                log_mel = cls._log_mel(mag, fb)
+                log_mels.append(log_mel)
+                kept.append(Path(path))
                 if cfg.decoder_target == "log_mel":
                     targets.append(log_mel)
                 else:
                     targets.append(torch.log(torch.clamp(mag, min=1e-4)))
                 voices.append(log_mel.mean(1))
+            encoder, phones, encoder_stats = None, [], {}
+            if cfg.features == "phonetic":
+                encoder, phones, encoder_stats = train_phonetic_encoder(kept, log_mels, cfg, seed, progress)
+            feats = [stack_frames(frame_features(m, encoder), cfg.frames_per_token) for m in log_mels]
             stacked = np.concatenate(feats)
             rng = np.random.default_rng(seed)
             sample = stacked[rng.permutation(len(stacked))[: cfg.kmeans_max_vectors]]
@@ -349,9 +441,9 @@ class ToyCodec:
             else:
                 components = np.eye(sample.shape[1], dtype=np.float32)
             centroids = kmeans((sample - pca_mean) @ components.T, cfg.codebook_size, cfg.kmeans_iters, seed)
-            t_kmeans = time.perf_counter() - t0
+            t_tokenizer = time.perf_counter() - t0
             mean_voice = torch.stack(voices).mean(0).numpy()
-            codec = cls(cfg, pca_mean, components, centroids, mean_voice, TokenDecoder(cfg))
+            codec = cls(cfg, pca_mean, components, centroids, mean_voice, TokenDecoder(cfg), encoder, phones)
             tokens = [torch.from_numpy(codec._nearest(f)) for f in feats]
             stats = codec._train_decoder(tokens, targets, voices, seed, progress)
         finally:
@@ -359,8 +451,9 @@ class ToyCodec:
         codec.fit_report = {
             "train_utterances": len(feats),
             "train_tokens": int(len(stacked)),
-            "kmeans_seconds": round(t_kmeans, 1),
+            "tokenizer_seconds": round(t_tokenizer, 1),
             "codebook_used": int(len(np.unique(np.concatenate([t.numpy() for t in tokens])))),
+            **encoder_stats,
             **stats,
             "fit_seconds": round(time.perf_counter() - t0, 1),
         }
@@ -416,6 +509,61 @@ class ToyCodec:
             "decoder_seconds": round(time.perf_counter() - start, 1),
             "decoder_final_l1": round(float(np.mean(losses[-50:])), 4) if losses else None,
         }
+
+
+def train_phonetic_encoder(
+    wav_paths: Sequence[Path],
+    log_mels: Sequence[torch.Tensor],
+    cfg: ToyCodecConfig,
+    seed: int,
+    progress: bool,
+) -> tuple[PhoneticEncoder, list[str], dict]:
+    """Train the encoder to classify each frame's phone state from the corpus' alignments (.phones.txt)."""
+    from tqdm.auto import tqdm
+
+    from ssd.data.toy_corpus import ALIGNMENT_SUFFIX, read_alignment
+
+    alignments = [read_alignment(p.with_suffix(ALIGNMENT_SUFFIX)) for p in wav_paths]
+    phones = sorted({phone for a in alignments for phone, _ in a})
+    index = {p: i for i, p in enumerate(phones)}
+    labels = [
+        phone_state_labels(a, m.shape[1], cfg, index) for a, m in zip(alignments, log_mels, strict=True)
+    ]
+    normed = [m - m.mean(dim=1, keepdim=True) for m in log_mels]
+    crop = min(cfg.encoder_crop_frames, min(m.shape[1] for m in normed))
+    usable = [i for i, m in enumerate(normed) if m.shape[1] >= crop]
+    gen = torch.Generator().manual_seed(seed)
+    model = PhoneticEncoder(cfg, len(phones) * cfg.phone_states).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.encoder_lr, weight_decay=1e-4)
+    start, accuracies = time.perf_counter(), []
+    bar = tqdm(range(cfg.encoder_max_steps), desc="codec: phonetic encoder", disable=not progress)
+    for step in bar:
+        pick = torch.randint(len(usable), (cfg.encoder_batch_size,), generator=gen)
+        x_b, y_b = [], []
+        for p in pick.tolist():
+            i = usable[p]
+            s = int(torch.randint(normed[i].shape[1] - crop + 1, (1,), generator=gen))
+            x_b.append(normed[i][:, s : s + crop])
+            y_b.append(labels[i][s : s + crop])
+        logits, y = model(torch.stack(x_b)), torch.stack(y_b)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        for group in opt.param_groups:
+            group["lr"] = cfg.encoder_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.encoder_max_steps))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        accuracies.append(float((logits.argmax(1) == y).float().mean()))
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{np.mean(accuracies[-50:]):.3f}")
+    return (
+        model.eval(),
+        phones,
+        {
+            "phone_states": len(phones) * cfg.phone_states,
+            "encoder_steps": cfg.encoder_max_steps,
+            "encoder_frame_accuracy": round(float(np.mean(accuracies[-50:])), 3) if accuracies else None,
+            "encoder_seconds": round(time.perf_counter() - start, 1),
+        },
+    )
 
 
 def kmeans(x: np.ndarray, k: int, iters: int, seed: int) -> np.ndarray:

@@ -3,6 +3,9 @@
 Layout (what `ssd.data.libritts` reads for the real corpus):
     {root}/{subset}/{speaker}/{chapter}/{speaker}_{chapter}_{n:06d}_{m:06d}.wav
     ... .normalized.txt and .original.txt beside each wav
+A `.phones.txt` beside each wav holds flite's phone alignment ("phone end_seconds" per line, in the
+final audio's time): the toy speech tokenizer is trained on it, as CosyVoice 2's tokenizer is trained
+with ASR supervision. LibriTTS readers ignore the extra file.
 Speakers are flite voices with sox pitch/tempo changes (pitch shifts move the formants too, which is
 what makes the speaker model tell them apart). Speakers of each subset are disjoint, so dev and test
 speakers are unseen in training.
@@ -122,18 +125,30 @@ def plan_corpus(
     return plan
 
 
+ALIGNMENT_SUFFIX = ".phones.txt"
+
+
 def synthesize(
     text: str, speaker: ToySpeaker, sample_rate: int = 16000, rms_dbfs: float = -20.0
-) -> np.ndarray:
-    """One utterance as float32 mono at `sample_rate`, loudness-normalised to `rms_dbfs`."""
+) -> tuple[np.ndarray, list[tuple[str, float]]]:
+    """One utterance as float32 mono at `sample_rate`, loudness-normalised to `rms_dbfs`, and its phone
+    alignment [(phone, end_seconds), ...] (flite's segments; sox's pitch keeps durations, tempo scales them).
+    """
     for tool in ("flite", "sox"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"toy corpus needs the `{tool}` binary: apt-get install -y flite sox")
     with tempfile.TemporaryDirectory(prefix="toy_tts_") as tmp:
         raw, out = Path(tmp) / "flite.wav", Path(tmp) / "sox.wav"
-        subprocess.run(
-            ["flite", "-voice", speaker.voice, "-t", text, "-o", str(raw)], check=True, capture_output=True
+        flite = subprocess.run(
+            ["flite", "-voice", speaker.voice, "-psdur", "-t", text, "-o", str(raw)],
+            check=True,
+            capture_output=True,
+            text=True,
         )
+        alignment = [
+            (phone, float(end) / speaker.tempo)
+            for phone, end in (seg.rsplit(":", 1) for seg in flite.stdout.split())
+        ]
         effects: list[str] = []
         if speaker.pitch_cents:
             effects += ["pitch", str(speaker.pitch_cents)]
@@ -159,15 +174,35 @@ def synthesize(
     assert sr == sample_rate, (sr, sample_rate)
     rms = float(np.sqrt(np.mean(wav**2))) + 1e-9
     wav = wav * (10 ** (rms_dbfs / 20) / rms)
-    return np.clip(wav, -0.99, 0.99).astype(np.float32)
+    return np.clip(wav, -0.99, 0.99).astype(np.float32), alignment
+
+
+def write_alignment(path: Path, alignment: Sequence[tuple[str, float]]) -> None:
+    path.write_text("".join(f"{phone} {end:.3f}\n" for phone, end in alignment))
+
+
+def read_alignment(path: str | Path) -> list[tuple[str, float]]:
+    """[(phone, end_seconds), ...] from a `.phones.txt` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no phone alignment. The toy corpus stage writes one beside each wav; rebuild the "
+            "corpus (make toy) or use codec.features=log_mel, which needs none"
+        )
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    bad = [r for r in rows if len(r) != 2]
+    if bad or not rows:
+        raise ValueError(f"{path}: expected lines 'phone end_seconds', got {bad[:1] or 'an empty file'}")
+    return [(phone, float(end)) for phone, end in rows]
 
 
 def _write_utterance(args: tuple[Utterance, str, int]) -> float:
     utt, root, sample_rate = args
     path = utt.wav_path(Path(root))
     path.parent.mkdir(parents=True, exist_ok=True)
-    wav = synthesize(utt.text, utt.speaker, sample_rate)
+    wav, alignment = synthesize(utt.text, utt.speaker, sample_rate)
     sf.write(path, wav, sample_rate, subtype="PCM_16")
+    write_alignment(path.with_suffix(ALIGNMENT_SUFFIX), alignment)
     path.with_suffix(".normalized.txt").write_text(utt.text + "\n")
     path.with_suffix(".original.txt").write_text(utt.text + "\n")
     return len(wav) / sample_rate

@@ -247,8 +247,8 @@ def _composed_target(section: dict) -> dict:
 
 
 STAGES: list[Stage] = [
-    Stage("corpus", run_corpus, version=1, fingerprint=lambda section: _language(section).slots),
-    Stage("codec", run_codec, version=1),
+    Stage("corpus", run_corpus, version=2, fingerprint=lambda section: _language(section).slots),
+    Stage("codec", run_codec, version=2),
     Stage("tokens", _lm_stage("tokens"), version=1),
     Stage("target", _lm_stage("target"), version=1, fingerprint=_composed_target),
     Stage("draft", _lm_stage("draft"), version=1),
