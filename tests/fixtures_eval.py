@@ -39,7 +39,6 @@ TINY_TARGET = dict(
 @dataclass(frozen=True)
 class MicroWorld:
     data_dir: Path  # the value of paths.data_dir
-    whisper_dir: Path  # a CTranslate2 Whisper base dir (built once from the PyPI packages)
     codebook: int  # the micro codec's codebook = the tiny target's speech_token_size
 
     @property
@@ -53,7 +52,6 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     from omegaconf import OmegaConf
     from rich.console import Console
 
-    from ssd.audio.asr import ensure_whisper_base
     from ssd.audio.toy_codec import ToyCodec
     from ssd.data.grid_language import GridLanguage
     from ssd.data.toy_world import STAGES, build_toy_world
@@ -71,8 +69,7 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     codebook = ToyCodec.load(toy / "codec").codebook_size
     words = write_word_tokenizer(GridLanguage(micro.corpus.language).words, data_dir / "words")
     write_cosyvoice2_dir(toy / "target", TINY_TARGET, codebook, words, seed=0)
-    whisper_dir = ensure_whisper_base(data_dir / "models" / "whisper-base-ct2")
-    return MicroWorld(data_dir, whisper_dir, codebook)
+    return MicroWorld(data_dir, codebook)
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +87,6 @@ def micro_settings(world: MicroWorld, n_utts: int = 4, max_len: int = 30) -> dic
         },
         # An untrained 1-layer draft of the 3-layer target, so alpha < 1.
         "draft": {"layers": [0], "checkpoint": None},
-        "asr": {"model_dir": str(world.whisper_dir), "cpu_threads": 1},
         "eval": {
             "n_utts": n_utts,
             "n_speakers": 2,

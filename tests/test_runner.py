@@ -176,7 +176,7 @@ def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decodi
 
 def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):  # noqa: F811
     runner._LOADED.clear()
-    cfg = _cfg(micro_world, f"asr.model_dir={tmp_path / 'no_whisper'}")
+    cfg = _cfg(micro_world, "asr=whisper_base_toy", f"asr.model_dir={tmp_path / 'no_whisper'}")
     with pytest.raises(FileNotFoundError, match="model_dir"):
         evaluate(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / RESULTS_FILE).exists()

@@ -187,7 +187,11 @@ def run_summary(ctx: StageContext) -> dict:
 
     pairs = build_test_list(cfg.eval)
     models = load_models(cfg)
+    # Other judges (asr config names) score the same original and resynthesised audio, side by side.
+    extra = {name: load_models(compose("sweep", [*overrides, f"asr={name}"])).asr
+             for name in ctx.config.get("extra_judges", [])}  # fmt: skip
     rows, floor, ceiling = [], [], []
+    extra_scores = {name: {"original": [], "resynthesised": []} for name in extra}
     for pair, wrong_text in zip(pairs.itertuples(index=False), wrong_sentence_texts(pairs["text"].tolist())):
         wav, sr = load_audio(pair.wav, None)
         prompt_wav, prompt_sr = load_audio(pair.prompt_wav, None)
@@ -202,6 +206,14 @@ def run_summary(ctx: StageContext) -> dict:
         ceiling.append(utterance_wer(pair.text, hyp_resynth))
         rows.append({"utt": pair.utt, "text": pair.text, "original": hyp_orig, "resynthesised": hyp_resynth,
                      "resynth_vs_wrong_text": utterance_wer(wrong_text, hyp_resynth).wer})  # fmt: skip
+        for name, asr in extra.items():
+            for kind, audio, rate in (
+                ("original", wav, sr),
+                ("resynthesised", resynth, models.vocoder.sample_rate),
+            ):
+                hyp = asr.transcribe(audio, rate)
+                extra_scores[name][kind].append(utterance_wer(pair.text, hyp))
+                rows[-1][f"{kind}_{name}"] = hyp
     save_table(pd.DataFrame(rows), ctx.out_dir / "floor_ceiling.jsonl")
     draft_done = json.loads((ctx.inputs["draft"] / "DONE.json").read_text())["summary"]
     summary = {
@@ -216,6 +228,11 @@ def run_summary(ctx: StageContext) -> dict:
         "target_tokens_per_s": ar.get("tokens_per_sec"),
         "draft_alpha_dev": draft_done.get("dev_alpha_target_sampling"),
         "draft_alpha_dev_before_training": draft_done.get("before_dev_alpha_target_sampling"),
+        **{
+            f"wer_{kind}_{name}": summarize_wer(scores[kind]).corpus_wer
+            for name, scores in extra_scores.items()
+            for kind in ("original", "resynthesised")
+        },  # fmt: skip
     }
     (ctx.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
