@@ -16,6 +16,7 @@ from ssd.evaluation.experiments import (
     load_experiment,
     merge_overrides,
     override_value,
+    repeat_rate,
 )
 from tests.fixtures_eval import micro_world, sweep_overrides  # noqa: F401
 
@@ -154,6 +155,11 @@ def test_exactness_chi_square_accepts_beta_0_and_rejects_beta_04_and_the_no_ras_
 # --- the driver, end to end on the micro world ---------------------------------------------------------
 
 
+def test_repeat_rate_counts_sequences_with_a_repeated_token():
+    assert repeat_rate([(1, 2, 3), (1, 1, 2), (4, 5, 4), (7, 8, 9)]) == 0.5
+    assert repeat_rate([]) == 0.0
+
+
 @pytest.mark.slow
 def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world, tmp_path):  # noqa: F811
     from ssd.evaluation.experiments import reproduce
@@ -162,7 +168,7 @@ def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world
         o for o in sweep_overrides(micro_world, n_utts=2, max_len=20) if not o.startswith("eval.n_speakers")
     ]
     overrides += ["eval.n_speakers=1", "draft.checkpoint=null", "reproduce.chi_square.samples=600", "reproduce.chi_square.batch=600",
-                  "reproduce.tv_drift.prompts=2"]  # fmt: skip
+                  "reproduce.tv_drift.prompts=2", "reproduce.chi_square.probe_samples=200"]  # fmt: skip
     out = reproduce("exactness", tmp_path, overrides)
     for name in ("table.md", "table.csv", "table.tex", "summary.md", "command.txt", "git_commit.txt",
                  "machine.txt", "chi_square.csv", "tv_drift.csv", "paired_differences.csv",
@@ -179,6 +185,9 @@ def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world
     assert "cores:" in (out / "machine.txt").read_text() and "torch:" in (out / "machine.txt").read_text()
     summary = (out / "summary.md").read_text()
     assert "6.34" in summary and "Chi-square" in summary and "paired" in summary
+    assert "repeat rate per candidate" in summary  # the chi-square prompt is chosen where RAS can act
+    chi = list(csv.DictReader((out / "chi_square.csv").open()))
+    assert len(chi) == 3 and 0.0 <= float(chi[0]["AR repeat rate (prompt probe)"]) <= 1.0
     tv = list(csv.DictReader((out / "tv_drift.csv").open()))
     assert float(tv[0]["mean TV"]) < 1e-6 < float(tv[-1]["mean TV"])  # beta = 0 exact, beta = 0.4 drifts
 

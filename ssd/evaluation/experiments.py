@@ -433,6 +433,23 @@ def sample_early_tokens(
     return out
 
 
+def repeat_rate(samples: Sequence[tuple[int, ...]]) -> float:
+    """Fraction of sequences in which a token repeats an earlier one: only there can RAS act (a nucleus
+    draw of a token already in its window is replaced by a draw from the full law), so only there can a
+    verifier without RAS be told from the target."""
+    return float(np.mean([len(set(s)) < len(s) for s in samples])) if samples else 0.0
+
+
+def ar_decoder(target, sampling, tokens: int) -> Callable[[Any, torch.Generator], Any]:
+    """decode(prompt, generator) -> the target's own AR decode of exactly `tokens` tokens."""
+    from ssd.decoding.generate import decode_ar
+
+    def decode(prompt, generator):
+        return decode_ar(target, prompt, sampling, max_len=tokens, min_len=tokens, generator=generator)
+
+    return decode
+
+
 @dataclass
 class ExactnessArm:
     name: str  # shown in the table
@@ -470,12 +487,11 @@ def exactness_chi_square(
     prefill in both decoders, so only tokens 2.. exercise the verifier). Equality is rejected when p < alpha.
     """
     from ssd.decoding.acceptance import make_rule
-    from ssd.decoding.generate import decode_ar, decode_speculative
+    from ssd.decoding.generate import decode_speculative
 
-    def ar(prompt, generator):
-        return decode_ar(target, prompt, sampling, max_len=tokens, min_len=tokens, generator=generator)
-
-    reference = sample_early_tokens(ar, make_prompt, samples, batch, tokens, seed)
+    reference = sample_early_tokens(
+        ar_decoder(target, sampling, tokens), make_prompt, samples, batch, tokens, seed
+    )
     rows = []
     for i, arm in enumerate(arms):
         beta = beta_broken if arm.beta > 0 else 0.0
@@ -574,17 +590,30 @@ def run_exactness_study(cfg: DictConfig, out_dir: Path, test: pd.DataFrame, swee
     chi, drift = spec.chi_square, spec.tv_drift
     torch.set_num_threads(int(cfg.eval.get("num_threads") or 1))
     target, draft, sampling, items = _exactness_models(cfg)
-    text, prompt_text, prompt_tokens = items[0]
-    prompt_tokens = prompt_tokens[: int(chi.prompt_speech_tokens)]
 
-    def make_prompt(rows: int):
-        return target.make_prompt([text] * rows, [prompt_text] * rows, [prompt_tokens] * rows)
+    def prompt_of(item):
+        text, prompt_text, prompt_tokens = item
+        prompt_tokens = prompt_tokens[: int(chi.prompt_speech_tokens)]
+        return lambda rows: target.make_prompt([text] * rows, [prompt_text] * rows, [prompt_tokens] * rows)
+
+    # The prompt: of the first candidates, the one whose AR decodes repeat a token most often (the
+    # negative control without RAS needs prompts where RAS acts to have any power).
+    candidates = items[: max(1, int(chi.get("prompt_candidates", 1)))]
+    probe = ar_decoder(target, sampling, int(chi.tokens))
+    rates = [
+        repeat_rate(sample_early_tokens(probe, prompt_of(item), int(chi.get("probe_samples", 1000)),
+                                        int(chi.batch), int(chi.tokens), int(cfg.seed)))
+        for item in candidates
+    ] if len(candidates) > 1 else [float("nan")]  # fmt: skip
+    chosen_item = int(np.nanargmax(rates)) if len(candidates) > 1 else 0
+    make_prompt = prompt_of(candidates[chosen_item])
 
     chi_table = exactness_chi_square(
         target, draft, sampling, make_prompt, samples=int(chi.samples), batch=int(chi.batch),
         tokens=int(chi.tokens), draft_len=int(chi.draft_len), min_cell=int(chi.min_cell), alpha=float(chi.alpha),
         beta_broken=float(chi.beta_broken), seed=int(cfg.seed),
     )  # fmt: skip
+    chi_table["AR repeat rate (prompt probe)"] = rates[chosen_item]
     chi_table.to_csv(out_dir / "chi_square.csv", index=False)
     shown_chi = chi_table.copy()
     for column in shown_chi.columns:
@@ -625,6 +654,10 @@ def run_exactness_study(cfg: DictConfig, out_dir: Path, test: pd.DataFrame, swee
         f"\n## Chi-square on the first {chi.tokens} generated tokens ({chi.samples} decodes of one test "
         f"prompt per arm, L_d = {chi.draft_len}, cells under {chi.min_cell} counts pooled; token 1 comes from "
         "the target's prefill in both decoders, so tokens 2.. are tested alone too)\n\n"
+        f"The prompt is test item {chosen_item} of the first {len(candidates)}: the one whose AR decodes "
+        "repeat a token most often (RAS acts only on a repeat, so only there can a verifier without RAS be "
+        "told from the target); repeat rate per candidate: "
+        + ", ".join(f"{r:.3f}" for r in rates) + ".\n\n"
         + to_markdown(shown_chi) + "\n" + verdicts +
         f"\n## Per-step TV(output law, target law) as beta grows ({len(chosen)} test prompts, L_d = "
         f"{cfg.draft_len})\n\n" + (out_dir / "tv_drift.md").read_text()
