@@ -6,6 +6,8 @@ hidden states become speech logits; prefill/extend/rollback live here once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,3 +112,19 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)}")
     return names[dtype]
+
+
+def require_model_dir(
+    model_dir: str | Path | None, model: str, example: str, env_var: str, files: Sequence[str], layout: str
+) -> Path:
+    """`model_dir` as a Path once it is set and holds `files`; the errors name the key or file to fix."""
+    if model_dir is None or str(model_dir) in ("", "None", "???"):
+        raise ValueError(
+            f"{model} model_dir is not set: set target.model.model_dir={example} "
+            f"(or set the {env_var} environment variable for target={model.lower().replace(' ', '')})"
+        )
+    model_dir = Path(model_dir)
+    for path in (model_dir, *(model_dir / name for name in files)):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist: {layout}")
+    return model_dir

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssd.models.base import CachedSpeechLM, pad_right, resolve_dtype
+from ssd.models.base import CachedSpeechLM, pad_right, require_model_dir, resolve_dtype
 from ssd.models.text_tokenizer import load_text_tokenizer
 from ssd.models.transformer import Backbone, BackboneConfig
 
@@ -113,19 +113,12 @@ class CosyVoice2LM(CachedSpeechLM):
         device: str | torch.device = "cpu",
     ) -> CosyVoice2LM:
         """Load a CosyVoice 2 model directory (llm.pt + CosyVoice-BlankEN/)."""
-        if model_dir is None or str(model_dir) in ("", "None", "???"):
-            raise ValueError(
-                "CosyVoice 2 model_dir is not set: set target.model.model_dir=/path/to/CosyVoice2-0.5B "
-                "(or set the COSYVOICE2_DIR environment variable for target=cosyvoice2)"
-            )
-        model_dir = Path(model_dir)
+        model_dir = require_model_dir(
+            model_dir, "CosyVoice 2", "/path/to/CosyVoice2-0.5B", "COSYVOICE2_DIR",
+            (LLM_FILE, f"{TOKENIZER_SUBDIR}/config.json"),
+            f"a CosyVoice 2 model dir holds {LLM_FILE} and {TOKENIZER_SUBDIR}/config.json (+ tokenizer files)",
+        )  # fmt: skip
         llm_path, config_path = model_dir / LLM_FILE, model_dir / TOKENIZER_SUBDIR / "config.json"
-        for path in (model_dir, llm_path, config_path):
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"{path} does not exist: a CosyVoice 2 model dir holds {LLM_FILE} and "
-                    f"{TOKENIZER_SUBDIR}/config.json (+ tokenizer files)"
-                )
         backbone_config = _read_backbone_config(config_path)
         state = torch.load(llm_path, map_location="cpu", weights_only=True, mmap=True)
         speech_rows = _speech_rows(state, llm_path)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.models.base import CachedSpeechLM, pad_right, resolve_dtype
+from ssd.models.base import CachedSpeechLM, pad_right, require_model_dir, resolve_dtype
 from ssd.models.text_tokenizer import load_text_tokenizer
 from ssd.models.transformer import Backbone, BackboneConfig
 
@@ -101,18 +101,12 @@ class LlasaLM(CachedSpeechLM):
         num_speech_tokens: int | None = None,
     ) -> LlasaLM:
         """Load an HF LLaSA dir. num_speech_tokens defaults to vocab_size - offset of <|s_0|>."""
-        if model_dir is None or str(model_dir) in ("", "None", "???"):
-            raise ValueError(
-                "LLaSA model_dir is not set: set target.model.model_dir=/path/to/Llasa-1B "
-                "(or set the LLASA_DIR environment variable for target=llasa)"
-            )
         from transformers import AutoConfig
 
-        model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{model_dir / 'config.json'} does not exist (is {model_dir} a LLaSA HF dir?)"
-            )
+        model_dir = require_model_dir(
+            model_dir, "LLaSA", "/path/to/Llasa-1B", "LLASA_DIR", ("config.json",),
+            "a LLaSA dir is a Hugging Face LLaMA dir (config.json, safetensors, tokenizer files)",
+        )  # fmt: skip
         hf_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         if hf_config.model_type != "llama":
             raise ValueError(
