@@ -198,6 +198,10 @@ def whisper_initial_prompt(closed_vocabulary: Sequence[Sequence[str]] | None, mo
     return " ".join(vocabulary_words(closed_vocabulary))
 
 
+# Both Whisper backends decode alike: greedy/beam at temperature 0, each utterance on its own, no timestamps.
+WHISPER_DECODING = {"temperature": 0.0, "condition_on_previous_text": False, "without_timestamps": True}
+
+
 class FasterWhisperASR:
     """faster-whisper (CTranslate2) from a local model directory, English, deterministic (temperature 0)."""
 
@@ -238,10 +242,8 @@ class FasterWhisperASR:
             audio,
             language=self.language,
             beam_size=self.beam_size,
-            temperature=0.0,
-            condition_on_previous_text=False,
             initial_prompt=self.initial_prompt,
-            without_timestamps=True,
+            **WHISPER_DECODING,
         )
         return " ".join(s.text.strip() for s in segments).strip()
 
@@ -281,12 +283,10 @@ class OpenAIWhisperASR:
             self.model,
             audio,
             language=self.language,
-            temperature=0.0,
-            condition_on_previous_text=False,
             initial_prompt=self.initial_prompt,
             fp16=self.fp16,
-            without_timestamps=True,
             verbose=None,
+            **WHISPER_DECODING,
             **options,
         )
         return str(result["text"]).strip()
