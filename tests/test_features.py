@@ -72,3 +72,12 @@ def test_load_audio_mixes_down_resamples_and_names_bad_files(tmp_path):
     (tmp_path / "bad.wav").write_bytes(b"RIFF not really a wav")
     with pytest.raises(ValueError, match="bad.wav"):
         load_audio(tmp_path / "bad.wav")
+
+
+def test_htk_mel_filterbank_peaks_are_evenly_spaced_on_the_htk_scale():
+    fb = mel_filterbank(40, 16000, 1024, htk=True).numpy()
+    peaks_hz = fb.argmax(1) * 16000 / 1024
+    peaks_mel = 2595.0 * np.log10(1.0 + peaks_hz / 700.0)
+    bin_mel = 2595.0 * np.log10(1.0 + 8000 / 700.0) / 41  # the scale's spacing of 40 filters
+    assert np.abs(np.diff(peaks_mel) - bin_mel).max() < 0.5 * bin_mel  # within one FFT bin of even
+    assert not torch.equal(mel_filterbank(40, 16000, 1024, htk=True), mel_filterbank(40, 16000, 1024))

@@ -24,42 +24,49 @@ N_MELS = 128
 FRAME_RATE = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
 
 
-def _hz_to_mel(freq: np.ndarray) -> np.ndarray:
-    # Slaney's auditory-toolbox scale (librosa's default, htk=False): linear below 1 kHz, log above.
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
+# Slaney's auditory-toolbox scale (librosa's default, htk=False): linear below 1 kHz, log above.
+_SLANEY_HZ_PER_MEL = 200.0 / 3
+_SLANEY_LOG_HZ = 1000.0
+_SLANEY_LOG_MEL = _SLANEY_LOG_HZ / _SLANEY_HZ_PER_MEL
+_SLANEY_LOG_STEP = np.log(6.4) / 27.0
+
+
+def _hz_to_mel(freq: np.ndarray, htk: bool = False) -> np.ndarray:
     freq = np.asarray(freq, dtype=np.float64)
-    mel = freq / f_sp
-    above = freq >= min_log_hz
-    mel[above] = min_log_mel + np.log(freq[above] / min_log_hz) / logstep
+    if htk:
+        return 2595.0 * np.log10(1.0 + freq / 700.0)
+    mel = freq / _SLANEY_HZ_PER_MEL
+    above = freq >= _SLANEY_LOG_HZ
+    mel[above] = _SLANEY_LOG_MEL + np.log(freq[above] / _SLANEY_LOG_HZ) / _SLANEY_LOG_STEP
     return mel
 
 
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
+def _mel_to_hz(mel: np.ndarray, htk: bool = False) -> np.ndarray:
     mel = np.asarray(mel, dtype=np.float64)
-    freq = f_sp * mel
-    above = mel >= min_log_mel
-    freq[above] = min_log_hz * np.exp(logstep * (mel[above] - min_log_mel))
+    if htk:
+        return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
+    freq = _SLANEY_HZ_PER_MEL * mel
+    above = mel >= _SLANEY_LOG_MEL
+    freq[above] = _SLANEY_LOG_HZ * np.exp(_SLANEY_LOG_STEP * (mel[above] - _SLANEY_LOG_MEL))
     return freq
 
 
 @lru_cache(maxsize=8)
-def mel_filterbank(n_mels: int = N_MELS, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> torch.Tensor:
+def mel_filterbank(
+    n_mels: int = N_MELS, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT, htk: bool = False
+) -> torch.Tensor:
     """Slaney-normalised triangular mel filters, float32 [n_mels, n_fft // 2 + 1].
 
-    Same formula as `librosa.filters.mel(sr, n_fft, n_mels)` (fmin 0, fmax sr/2, htk=False,
-    norm="slaney"), which is how Whisper's `mel_filters.npz` was made. Written out here (25 lines) so
-    the project needs neither librosa nor openai-whisper at runtime.
+    Same formula as `librosa.filters.mel(sr, n_fft, n_mels, htk=htk)` (fmin 0, fmax sr/2,
+    norm="slaney"); htk=False is how Whisper's `mel_filters.npz` was made, htk=True is the toy codec's
+    scale. Written out here so the project needs neither librosa nor openai-whisper at runtime.
     """
     fft_freqs = np.linspace(0.0, sample_rate / 2, 1 + n_fft // 2)
     mel_edges = _mel_to_hz(
-        np.linspace(_hz_to_mel(np.array([0.0]))[0], _hz_to_mel(np.array([sample_rate / 2]))[0], n_mels + 2)
+        np.linspace(
+            _hz_to_mel(np.array([0.0]), htk)[0], _hz_to_mel(np.array([sample_rate / 2]), htk)[0], n_mels + 2
+        ),
+        htk,
     )
     edge_gaps = np.diff(mel_edges)
     ramps = mel_edges[:, None] - fft_freqs[None, :]

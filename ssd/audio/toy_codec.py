@@ -26,6 +26,8 @@ import soundfile as sf
 import torch
 from torch import nn
 
+from ssd.audio.features import mel_filterbank
+
 # Bump when the saved format changes; load() refuses other versions.
 FORMAT_VERSION = 2
 DECODER_TARGETS = ("log_magnitude", "log_mel")
@@ -94,25 +96,6 @@ class ToyCodecConfig:
         if unknown:
             raise ValueError(f"toy codec config: unknown keys {unknown}; known keys: {sorted(known)}")
         return cls(**d)
-
-
-def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
-    """Slaney-style triangular mel filters [n_mels, n_fft//2+1] (hand-written: librosa is not a dependency)."""
-
-    def hz_to_mel(f):
-        return 2595.0 * np.log10(1.0 + np.asarray(f) / 700.0)
-
-    def mel_to_hz(m):
-        return 700.0 * (10.0 ** (np.asarray(m) / 2595.0) - 1.0)
-
-    freqs = np.linspace(0, sample_rate / 2, n_fft // 2 + 1)
-    edges = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sample_rate / 2), n_mels + 2))
-    lower, centre, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
-    rising = (freqs[None] - lower) / (centre - lower)
-    falling = (upper - freqs[None]) / (upper - centre)
-    fb = np.maximum(0.0, np.minimum(rising, falling))
-    fb *= 2.0 / (upper - lower)  # equal area per filter
-    return fb.astype(np.float32)
 
 
 class TokenDecoder(nn.Module):
@@ -225,7 +208,7 @@ class ToyCodec:
         self.centroids = centroids.astype(np.float32)
         self.mean_voice = mean_voice.astype(np.float32)
         self.decoder = decoder.eval()
-        self.mel_fb = torch.from_numpy(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels))
+        self.mel_fb = mel_filterbank(cfg.n_mels, cfg.sample_rate, cfg.n_fft, htk=True)
         self.mel_to_linear = torch.linalg.pinv(self.mel_fb)
         self.fit_report: dict = {}
 
@@ -402,7 +385,7 @@ class ToyCodec:
         torch.set_num_threads(cfg.num_threads)
         t0 = time.perf_counter()
         try:
-            fb = torch.from_numpy(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels))
+            fb = mel_filterbank(cfg.n_mels, cfg.sample_rate, cfg.n_fft, htk=True)
             log_mels, targets, voices, kept = [], [], [], []
             for path in tqdm(wav_paths, desc="codec: features", disable=not progress):
                 wav, sr = sf.read(path, dtype="float32", always_2d=True)
