@@ -331,14 +331,15 @@ class ToyCodec:
     @classmethod
     def load(cls, directory: str | Path) -> ToyCodec:
         d = Path(directory)
-        missing = [n for n in ("codec.json", "codec.npz", "decoder.pt") if not (d / n).is_file()]
-        if not missing and json.loads((d / "codec.json").read_text())["config"].get("features") == "phonetic":
-            missing = [] if (d / "encoder.pt").is_file() else ["encoder.pt"]
+        meta = json.loads((d / "codec.json").read_text()) if (d / "codec.json").is_file() else {}
+        needed = ["codec.json", "codec.npz", "decoder.pt"]
+        if meta.get("config", {}).get("features") == "phonetic":
+            needed.append("encoder.pt")
+        missing = [n for n in needed if not (d / n).is_file()]
         if missing:
             raise FileNotFoundError(
                 f"ToyCodec.load: {d} lacks {missing}; build it with scripts/build_toy_world.py"
             )
-        meta = json.loads((d / "codec.json").read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
                 f"ToyCodec.load: {d / 'codec.json'} has format_version {meta.get('format_version')}, "
