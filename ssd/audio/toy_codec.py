@@ -454,9 +454,7 @@ class ToyCodec:
         from tqdm.auto import tqdm
 
         cfg, f = self.cfg, self.cfg.frames_per_token
-        crop = min(cfg.decoder_crop_tokens, min(len(t) for t in tokens))
-        usable = [i for i, t in enumerate(tokens) if len(t) >= crop]
-        gen = torch.Generator().manual_seed(seed)
+        crops = RandomCrops([len(t) for t in tokens], cfg.decoder_crop_tokens, seed)
         model = self.decoder.train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.decoder_lr, weight_decay=1e-4)
         start, losses, step, capped = time.perf_counter(), [], 0, False
@@ -466,18 +464,14 @@ class ToyCodec:
             if time.perf_counter() - start > cfg.decoder_train_seconds:
                 capped = True
                 break
-            pick = torch.randint(len(usable), (cfg.decoder_batch_size,), generator=gen)
             tok_b, target_b, voice_b = [], [], []
-            for p in pick.tolist():
-                i = usable[p]
-                s = int(torch.randint(len(tokens[i]) - crop + 1, (1,), generator=gen))
-                tok_b.append(tokens[i][s : s + crop])
-                target_b.append(targets[i][:, s * f : (s + crop) * f])
+            for i, s, e in crops.sample(cfg.decoder_batch_size):
+                tok_b.append(tokens[i][s:e])
+                target_b.append(targets[i][:, s * f : e * f])
                 voice_b.append(voices[i])
             pred = model(torch.stack(tok_b), torch.stack(voice_b))
             loss = torch.nn.functional.l1_loss(pred, torch.stack(target_b))
-            for group in opt.param_groups:
-                group["lr"] = cfg.decoder_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.decoder_max_steps))
+            set_cosine_lr(opt, cfg.decoder_lr, step, cfg.decoder_max_steps)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -493,6 +487,28 @@ class ToyCodec:
             "decoder_seconds": round(time.perf_counter() - start, 1),
             "decoder_final_l1": round(float(np.mean(losses[-50:])), 4) if losses else None,
         }
+
+
+class RandomCrops:
+    """Seeded random windows of one length over sequences of `lengths` (the codec's training batches);
+    the length is `crop`, cut to the shortest sequence so every sequence can be drawn."""
+
+    def __init__(self, lengths: Sequence[int], crop: int, seed: int) -> None:
+        self.lengths, self.crop = list(lengths), min(crop, min(lengths))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, batch: int) -> list[tuple[int, int, int]]:
+        """`batch` (sequence index, start, end) triples."""
+        out = []
+        for i in torch.randint(len(self.lengths), (batch,), generator=self.generator).tolist():
+            start = int(torch.randint(self.lengths[i] - self.crop + 1, (1,), generator=self.generator))
+            out.append((i, start, start + self.crop))
+        return out
+
+
+def set_cosine_lr(opt: torch.optim.Optimizer, base_lr: float, step: int, total: int) -> None:
+    for group in opt.param_groups:
+        group["lr"] = base_lr * 0.5 * (1 + math.cos(math.pi * step / total))
 
 
 def train_phonetic_encoder(
@@ -514,25 +530,18 @@ def train_phonetic_encoder(
         phone_state_labels(a, m.shape[1], cfg, index) for a, m in zip(alignments, log_mels, strict=True)
     ]
     normed = [m - m.mean(dim=1, keepdim=True) for m in log_mels]
-    crop = min(cfg.encoder_crop_frames, min(m.shape[1] for m in normed))
-    usable = [i for i, m in enumerate(normed) if m.shape[1] >= crop]
-    gen = torch.Generator().manual_seed(seed)
+    crops = RandomCrops([m.shape[1] for m in normed], cfg.encoder_crop_frames, seed)
     model = PhoneticEncoder(cfg, len(phones) * cfg.phone_states).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.encoder_lr, weight_decay=1e-4)
     start, accuracies = time.perf_counter(), []
     bar = tqdm(range(cfg.encoder_max_steps), desc="codec: phonetic encoder", disable=not progress)
     for step in bar:
-        pick = torch.randint(len(usable), (cfg.encoder_batch_size,), generator=gen)
-        x_b, y_b = [], []
-        for p in pick.tolist():
-            i = usable[p]
-            s = int(torch.randint(normed[i].shape[1] - crop + 1, (1,), generator=gen))
-            x_b.append(normed[i][:, s : s + crop])
-            y_b.append(labels[i][s : s + crop])
-        logits, y = model(torch.stack(x_b)), torch.stack(y_b)
+        batch = crops.sample(cfg.encoder_batch_size)
+        x_b = torch.stack([normed[i][:, s:e] for i, s, e in batch])
+        y = torch.stack([labels[i][s:e] for i, s, e in batch])
+        logits = model(x_b)
         loss = torch.nn.functional.cross_entropy(logits, y)
-        for group in opt.param_groups:
-            group["lr"] = cfg.encoder_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.encoder_max_steps))
+        set_cosine_lr(opt, cfg.encoder_lr, step, cfg.encoder_max_steps)
         opt.zero_grad()
         loss.backward()
         opt.step()
