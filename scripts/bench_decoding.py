@@ -6,10 +6,10 @@ Prints (never asserts) measured figures side by side:
   * AR tokens/s of this engine vs HF `generate` on the same weights;
   * per rule and L_d: tokens/s, LM time, alpha per position, tokens per target call,
     measured speedup vs AR and the speedup predicted from the measured alpha, c and v
-    (REFERENCE §1.4 with the verify cost measured instead of assumed = 1).
+    (docs/algorithms.md §1.4 with the verify cost measured instead of assumed = 1).
 
 Random weights are fine for timing; their acceptance is meaningless, so the `synthetic`
-rule (fixed alpha, labelled as such) sets the acceptance. Defaults: the ENVIRONMENT.md
+rule (fixed alpha, labelled as such) sets the acceptance. Defaults: the docs/cpu-physics.md
 probe size (12 layers, hidden 512) with a draft of target layers [0, 1, 11].
 
     python scripts/bench_decoding.py                       # CPU, default sizes
@@ -40,9 +40,9 @@ from ssd.models.draft import build_draft  # noqa: E402
 from ssd.models.transformer import BackboneConfig  # noqa: E402
 
 PRESETS = {
-    # ENVIRONMENT.md's probe size: 37 M parameters, memory-bound on 2 CPU cores.
+    # docs/cpu-physics.md's probe size: 37 M parameters, memory-bound on 2 CPU cores.
     "probe": dict(hidden=512, layers=12, heads=8, kv_heads=2, intermediate=1408, draft_layers="0,1,11"),
-    # CosyVoice 2's LM shape (REFERENCE §2.1) with the SSD paper's 8-layer draft.
+    # CosyVoice 2's LM shape (docs/targets.md §2.1) with the SSD paper's 8-layer draft.
     "cosyvoice2": dict(
         hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, draft_layers="0,1,18,19,20,21,22,23"
     ),

@@ -1,7 +1,7 @@
 """Acceptance rules: given draft laws p, target laws q and the draft tokens, decide
 how many draft tokens stay and what the next token is.
 
-Convention (REFERENCE §1.1): q = the target's per-step sampling law, p = the law the
+Convention (docs/algorithms.md §1.1): q = the target's per-step sampling law, p = the law the
 draft actually sampled its token from.
 
 A ratio-style rule is two functions, and the same two functions serve the sampler
@@ -212,7 +212,7 @@ class SyntheticRule(AcceptanceRule):
 
 
 class PCGRule(AcceptanceRule):
-    """Principled coarse-grained acceptance (Yanuka et al. 2025, REFERENCE §1.3).
+    """Principled coarse-grained acceptance (Yanuka et al. 2025, docs/algorithms.md §1.3).
 
     Groups G_v = {u : cos(e_u, e_v) > θ} over the target's speech-token input
     embeddings e. Token u lies in m(u) = |G_u| groups (cosine is symmetric) and gives

@@ -265,7 +265,7 @@ def decode_speculative(
     track_tv: log the exact per-step TV between the rule's output law and q
               (default: on for inexact rules whose law is O(V) to compute, e.g. tolerance β > 0).
     verify_rows: pad every verify call to this many rows (filler rows are rolled back unread).
-              On CPUs a matmul of 8 rows can cost less than one of 4-5 (ENVIRONMENT.md);
+              On CPUs a matmul of 8 rows can cost less than one of 4-5 (docs/cpu-physics.md);
               `scripts/bench_decoding.py --verify-rows 8` measures whether it pays on yours.
     """
     draft_sampling = draft_sampling or sampling

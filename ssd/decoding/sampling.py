@@ -28,7 +28,7 @@ class SamplingConfig:
     nucleus: "hf" = HF top-k then top-p (the token crossing top_p is kept);
              "cosyvoice" = CosyVoice's loop: take tokens in descending order while the
              cumulative mass BEFORE them is < top_p and fewer than top_k are taken.
-    ras_window: > 0 turns on CosyVoice 2's repetition-aware sampling (REFERENCE §2.3):
+    ras_window: > 0 turns on CosyVoice 2's repetition-aware sampling (docs/targets.md §2.3):
              a nucleus draw that occurs >= ras_window·ras_tau times among the last
              ras_window GENERATED tokens is replaced by a draw from the full softmax.
     ras_variant: "classic" (fallback from the full softmax) or "exclude_repeated"
@@ -159,7 +159,7 @@ def _nucleus(cfg: SamplingConfig, logits: torch.Tensor, probs: torch.Tensor) -> 
 
 
 def _ras(cfg: SamplingConfig, nucleus: torch.Tensor, probs: torch.Tensor, window: torch.Tensor | None):
-    """Closed form of repetition-aware sampling (REFERENCE §2.3)."""
+    """Closed form of repetition-aware sampling (docs/targets.md §2.3)."""
     n_rows, vocab = probs.shape
     if window is None:
         window = torch.full((n_rows, 0), -1, dtype=torch.long, device=probs.device)

@@ -1,6 +1,6 @@
 """CosyVoice 2's speech LM (Qwen2LM) behind the engine's SpeechLM interface.
 
-Loads a CosyVoice2-0.5B model directory as distributed (REFERENCE §2.1): `llm.pt` and the Qwen2
+Loads a CosyVoice2-0.5B model directory as distributed (docs/targets.md §2.1): `llm.pt` and the Qwen2
 config + tokenizer in `CosyVoice-BlankEN/`. Key layout of `llm.pt`, loaded strictly:
 
     llm_embedding.weight                                   [2, H]      row 0 = sos, row 1 = task_id

@@ -1,6 +1,6 @@
 """One decoder backbone for Qwen2 and LLaMA, driven by `inputs_embeds`, with a static KV cache.
 
-Hand-written rather than HF `Qwen2Model` because (ENVIRONMENT.md) HF + DynamicCache costs
+Hand-written rather than HF `Qwen2Model` because (docs/cpu-physics.md) HF + DynamicCache costs
 ~6-9 ms extra per decode step on the 2-core CPU, and per-row rollback inside a batch is awkward
 there. Here the cache is a preallocated buffer with a per-row `lengths` vector (gpt-fast style):
 rollback is `lengths -= n`, and rows of one batch may sit at different lengths.

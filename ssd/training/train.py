@@ -127,7 +127,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model, teacher = build_models(cfg)
-    # Seed after the models are loaded: some loaders re-seed global RNGs (REFERENCE §2.4).
+    # Seed after the models are loaded: some loaders re-seed global RNGs (docs/targets.md §2.4).
     L.seed_everything(cfg.seed, workers=True)
     rank_zero_info(describe(model))
 
