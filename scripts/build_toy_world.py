@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the toy world (corpus, codec, then the stages appended by other modules) idempotently.
+"""Build the toy world (ssd.toy_world.STAGES: corpus, codec, tokens, target, draft, summary) idempotently.
 
   python scripts/build_toy_world.py                        # default size into ${paths.data_dir}/toy
   python scripts/build_toy_world.py toy_world=micro        # seconds; what the tests build
@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from ssd.data.toy_world import build_toy_world  # noqa: E402
+from ssd.toy_world import build_toy_world  # noqa: E402
 
 
 @hydra.main(config_path="../configs", config_name="build_toy_world", version_base="1.3")

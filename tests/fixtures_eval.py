@@ -52,11 +52,11 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     from omegaconf import OmegaConf
     from rich.console import Console
 
-    from ssd.audio.toy_codec import ToyCodec
-    from ssd.data.grid_language import GridLanguage
-    from ssd.data.toy_world import STAGES, build_toy_world
     from ssd.models.checkpoints import write_cosyvoice2_dir
     from ssd.models.text_tokenizer import write_word_tokenizer
+    from ssd.toy_world import STAGES, build_toy_world
+    from ssd.toy_world.codec import ToyCodec
+    from ssd.toy_world.language import GridLanguage
 
     for tool in ("flite", "sox"):
         if shutil.which(tool) is None:
@@ -65,7 +65,7 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     del micro["dir"]  # ${paths.data_dir}/...: the root is given here instead
     toy = data_dir / "toy"
     stages = [s for s in STAGES if s.name in ("corpus", "codec")]
-    build_toy_world(micro, toy, stages, progress=False, console=Console(quiet=True))
+    build_toy_world(micro, toy, progress=False, console=Console(quiet=True), stages=stages)
     codebook = ToyCodec.load(toy / "codec").codebook_size
     words = write_word_tokenizer(GridLanguage(micro.corpus.language).words, data_dir / "words")
     write_cosyvoice2_dir(toy / "target", TINY_TARGET, codebook, words, seed=0)
@@ -81,10 +81,7 @@ def micro_settings(world: MicroWorld, n_utts: int = 4, max_len: int = 30) -> dic
     """configs/sweep.yaml settings that point it at the micro world with a tiny, fast evaluation."""
     return {
         "paths": {"data_dir": str(world.data_dir)},
-        "target": {
-            "speech_token_size": world.codebook,
-            "sampling": {"stop_tokens": [world.codebook, world.codebook + 1, world.codebook + 2]},
-        },
+        "target": {"speech_token_size": world.codebook},
         # An untrained 1-layer draft of the 3-layer target, so alpha < 1.
         "draft": {"layers": [0], "checkpoint": None},
         "eval": {

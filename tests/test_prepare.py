@@ -138,7 +138,7 @@ def test_bad_arguments_are_named(setup, tmp_path):
 
 
 def test_toy_codec_kind(setup, tmp_path):
-    toy_codec = pytest.importorskip("ssd.audio.toy_codec")
+    toy_codec = pytest.importorskip("ssd.toy_world.codec")
     corpus, out, kwargs = setup
     wavs = sorted(str(p) for p in corpus.rglob("*.wav"))[:4]
     with pytest.raises(FileNotFoundError, match="no phone alignment.*codec.features=log_mel"):

@@ -13,10 +13,11 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
-from ssd.audio.toy_codec import ToyCodec, ToyCodecConfig, phone_state_labels
-from ssd.data.grid_language import GridLanguage
-from ssd.data.toy_corpus import ALIGNMENT_SUFFIX, ToySpeaker, read_alignment, synthesize
-from ssd.data.toy_world import DONE_FILE, STAGES, Stage, build_toy_world
+from ssd.toy_world import STAGES, build_toy_world
+from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, phone_state_labels
+from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, read_alignment, synthesize
+from ssd.toy_world.language import GridLanguage
+from ssd.toy_world.stages import DONE_FILE, Stage
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.skipif(
@@ -235,15 +236,15 @@ def test_changed_stage_rebuilds_only_downstream(tmp_path):
 
     stages = [make("a"), make("b"), make("c")]
     cfg = {"seed": 0, "a": {"x": 1}, "b": {"y": 1}, "c": {}}
-    build_toy_world(cfg, tmp_path, stages, progress=False)
+    build_toy_world(cfg, tmp_path, progress=False, stages=stages)
     assert calls == ["a", "b", "c"]
     calls.clear()
     cfg["b"]["y"] = 2
-    build_toy_world(cfg, tmp_path, stages, progress=False)
+    build_toy_world(cfg, tmp_path, progress=False, stages=stages)
     assert calls == ["b", "c"]
     calls.clear()
     cfg["seed"] = 1  # the seed reaches every stage
-    build_toy_world(cfg, tmp_path, stages, progress=False)
+    build_toy_world(cfg, tmp_path, progress=False, stages=stages)
     assert calls == ["a", "b", "c"]
 
 

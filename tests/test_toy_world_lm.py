@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.data.toy_world import read_done
 from ssd.decoding.acceptance import make_rule
 from ssd.decoding.generate import decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig
 from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.draft import load_draft
+from ssd.toy_world.stages import read_done
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "codec", "tokens", "target", "draft", "summary")

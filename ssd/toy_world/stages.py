@@ -1,11 +1,11 @@
-"""The idempotent toy-world builder: a chain of stages, each cached in its own directory.
+"""The toy world's stage engine: a chain of stages, each cached in its own directory.
 
 Each stage writes into `{root}/{stage}/` and, last, a `DONE.json` holding the hash of its inputs: its
 config section, the world seed, its code version and the hash of the stage before it (so a change
 anywhere upstream reaches everything downstream). On a rerun:
 - DONE.json present with the same hash -> skipped;
 - no DONE.json (an interrupted build) or a different hash -> the directory is wiped and redone.
-Stages: corpus, codec (here); tokens, target, draft, summary (ssd/data/toy_world_lm.py).
+The engine knows no concrete stage: the toy world's stages are `ssd.toy_world.STAGES`.
 """
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ def read_done(stage_dir: Path) -> dict | None:
         return None
 
 
-def build_toy_world(
+def build_stages(
     world_cfg: Mapping,
     root: str | Path,
-    stages: Sequence[Stage] | None = None,
+    stages: Sequence[Stage],
     progress: bool = True,
     console=None,
 ) -> list[StageResult]:
-    """Run every stage in order into `root`, skipping those whose inputs are unchanged."""
+    """Run `stages` in order into `root`, skipping those whose inputs are unchanged."""
     from rich.console import Console
 
     console = console or Console()
@@ -102,7 +102,7 @@ def build_toy_world(
         raise TypeError(
             f"build_toy_world: the toy_world config must be a mapping, got {type(world).__name__}"
         )
-    stages = list(STAGES if stages is None else stages)
+    stages = list(stages)
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"build_toy_world: stage names repeat: {names}")
@@ -161,96 +161,3 @@ def summary_table(results: Sequence[StageResult]):
         text = ", ".join(f"{k}={v}" for k, v in r.summary.items() if not isinstance(v, dict | list))
         table.add_row(r.name, r.status, f"{r.seconds:.1f}", text)
     return table
-
-
-# ---- the first two stages ------------------------------------------------------------------------------
-
-
-def _language(section: dict):
-    from ssd.data.grid_language import GridLanguage
-
-    return GridLanguage(section.get("language") or None)
-
-
-def run_corpus(ctx: StageContext) -> dict:
-    from ssd.data.toy_corpus import build_corpus, speaker_bank
-
-    cfg = ctx.config
-    for key in ("speakers", "subsets"):
-        if key not in cfg:
-            raise KeyError(f"toy_world.corpus.{key} is missing (see configs/toy_world/default.yaml)")
-    spk = cfg["speakers"]
-    bank = speaker_bank(spk["voices"], spk.get("pitch_cents", [0]), spk.get("tempos", [1.0]))
-    language = _language(cfg)
-    (ctx.out_dir / "language.json").write_text(json.dumps(language.slots, indent=1))
-    summary = build_corpus(
-        ctx.out_dir,
-        language,
-        cfg["subsets"],
-        bank,
-        seed=int(ctx.world.get("seed", 0)),
-        sample_rate=int(cfg.get("sample_rate", 16000)),
-        workers=int(ctx.world.get("workers", 2)),
-        progress=ctx.progress,
-    )
-    summary.pop("per_subset")
-    return {**summary, "speakers": sum(summary["speakers"].values())}
-
-
-def corpus_train_subset(corpus_cfg: Mapping) -> str:
-    """The subset the codec and the LMs are fitted on: the first subset named train*."""
-    train = [s for s in corpus_cfg["subsets"] if str(s).startswith("train")]
-    if not train:
-        raise ValueError(f"toy_world.corpus.subsets has no train* subset: {list(corpus_cfg['subsets'])}")
-    return train[0]
-
-
-def run_codec(ctx: StageContext) -> dict:
-    from ssd.audio.toy_codec import ToyCodec
-    from ssd.data.toy_corpus import subset_wavs
-
-    if "corpus" not in ctx.inputs:
-        raise ValueError("toy_world: the codec stage needs the corpus stage before it")
-    corpus_dir = ctx.inputs["corpus"]
-    wavs = subset_wavs(corpus_dir, corpus_train_subset(ctx.world["corpus"]))
-    codec = ToyCodec.fit(wavs, ctx.config, seed=int(ctx.world.get("seed", 0)), progress=ctx.progress)
-    codec.save(ctx.out_dir)
-    r = codec.fit_report
-    return {
-        "codebook_size": codec.codebook_size,
-        "codebook_used": r["codebook_used"],
-        "decoder_steps": r["decoder_steps"],
-        "decoder_l1": r["decoder_final_l1"],
-        "fit_s": r["fit_seconds"],
-    }
-
-
-def _lm_stage(name: str) -> Callable[[StageContext], dict]:
-    """The LM stages live in ssd.data.toy_world_lm (they use training and evaluation code)."""
-
-    def run(ctx: StageContext) -> dict:
-        from ssd.data import toy_world_lm
-
-        return getattr(toy_world_lm, f"run_{name}")(ctx)
-
-    return run
-
-
-def _composed_target(section: dict) -> dict:
-    """The toy target's config (configs/target/toy.yaml + the stage's overrides) is an input too."""
-    from omegaconf import OmegaConf
-
-    from ssd.data.toy_world_lm import compose
-
-    overrides = ["target=toy", *[str(o) for o in section.get("overrides", [])]]
-    return OmegaConf.to_container(compose("train_draft", overrides).target, resolve=False)
-
-
-STAGES: list[Stage] = [
-    Stage("corpus", run_corpus, version=2, fingerprint=lambda section: _language(section).slots),
-    Stage("codec", run_codec, version=2),
-    Stage("tokens", _lm_stage("tokens"), version=1),
-    Stage("target", _lm_stage("target"), version=1, fingerprint=_composed_target),
-    Stage("draft", _lm_stage("draft"), version=1),
-    Stage("summary", _lm_stage("summary"), version=1),
-]

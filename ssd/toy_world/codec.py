@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ssd.audio.features import mel_filterbank
+from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, read_alignment
 
 # Bump when the saved format changes; load() refuses other versions.
 FORMAT_VERSION = 2
@@ -520,8 +521,6 @@ def train_phonetic_encoder(
 ) -> tuple[PhoneticEncoder, list[str], dict]:
     """Train the encoder to classify each frame's phone state from the corpus' alignments (.phones.txt)."""
     from tqdm.auto import tqdm
-
-    from ssd.data.toy_corpus import ALIGNMENT_SUFFIX, read_alignment
 
     alignments = [read_alignment(p.with_suffix(ALIGNMENT_SUFFIX)) for p in wav_paths]
     phones = sorted({phone for a in alignments for phone, _ in a})

@@ -1,12 +1,11 @@
 """The toy world's LM stages: token shards, the toy target, the toy draft, and the quality summary.
 
-They run after the corpus and codec stages of `ssd.data.toy_world` and use the project's real code
+They run after the corpus and codec stages (ssd.toy_world.audio_stages) and use the project's real code
 paths only: shards come from `ssd.data.prepare.prepare_corpus` (the LibriTTS path), the toy target is
 a CosyVoice 2-format model dir trained by `ssd.training.train.train` (the code that trains drafts),
 the draft is trained by the same function, and the summary is measured by the eval runner and the
-judges the sweeps use. Configs are composed from the repo's own `configs/` (train_draft.yaml,
-sweep.yaml), so `target=toy`, `draft=toy`, `data=toy`, `eval=toy` mean the same thing here as on
-the command line.
+judges the sweeps use. Configs are composed by `ssd.config.compose` (train_draft.yaml, sweep.yaml),
+so `target=toy`, `draft=toy`, `data=toy`, `eval=toy` mean the same thing here as on the command line.
 """
 
 from __future__ import annotations
@@ -18,24 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ssd.data.toy_world import StageContext
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-def compose(config_name: str, overrides: list[str]):
-    """A config of this repo's configs/ with overrides, as the CLI would compose it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import ssd.evaluation.runner  # noqa: F401  (registers the resolvers sweep.yaml uses)
-    from ssd.training.schema import register_schema
-
-    register_schema()  # train_draft.yaml's defaults name the schema
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides)
+from ssd.config import compose
+from ssd.toy_world.audio_stages import corpus_language
+from ssd.toy_world.codec import ToyCodec
+from ssd.toy_world.stages import StageContext
 
 
 def _overrides(section: dict) -> list[str]:
@@ -43,13 +28,25 @@ def _overrides(section: dict) -> list[str]:
     return [str(o) for o in section.get("overrides", [])]
 
 
+def _target_config(section: dict):
+    """The toy target's config: configs/target/toy.yaml + the stage section's overrides."""
+    return compose("train_draft", ["target=toy", *_overrides(section)]).target
+
+
+def target_fingerprint(section: dict) -> dict:
+    """The target stage's extra input: its composed config, unresolved (a change to configs/target/toy.yaml
+    rebuilds the target and everything after it)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(_target_config(section), resolve=False)
+
+
 def run_tokens(ctx: StageContext) -> dict:
     """Token shards of the corpus (text: a word tokenizer of the toy language; speech: the toy codec)."""
     from ssd.data.prepare import prepare_corpus
-    from ssd.data.toy_world import _language
     from ssd.models.text_tokenizer import write_word_tokenizer
 
-    words = sorted({w for slot in _language(ctx.world["corpus"]).slots.values() for w in slot})
+    words = sorted({w for slot in corpus_language(ctx.world["corpus"]).slots.values() for w in slot})
     text_tokenizer = write_word_tokenizer(words, ctx.out_dir / "text_tokenizer")
     prepare_corpus(
         ctx.inputs["corpus"],
@@ -110,10 +107,9 @@ def _train(ctx: StageContext, overrides: list[str]) -> dict:
 
 def run_target(ctx: StageContext) -> dict:
     """Write a random-weight toy target in the CosyVoice 2 format, then train all of it."""
-    from ssd.audio.toy_codec import ToyCodec
     from ssd.models.checkpoints import write_cosyvoice2_dir
 
-    target_cfg = compose("train_draft", ["target=toy", *_overrides(ctx.config)]).target
+    target_cfg = _target_config(ctx.config)
     codebook = ToyCodec.load(ctx.inputs["codec"]).codebook_size
     if codebook != int(target_cfg.speech_token_size):
         raise ValueError(
