@@ -7,11 +7,15 @@ A record (one line of `utterances.jsonl`) carries the raw counts needed here:
   lm_time, audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
   proposed / accepted / overlap_sum / tv_sum (per draft position), rounds, accepted_total,
   and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}.
+
+The statistics of the exactness study live here too: a two-sample chi-square homogeneity test on decoded
+tokens, the repeat rate of token sequences, and paired (same utterance) differences between two runs.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,3 +140,73 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
             slot: float(np.mean([s[slot] for s in slot_records])) for slot in slot_records[0]
         }
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Statistics of the exactness study
+# --------------------------------------------------------------------------------------------------
+
+
+def chi_square_homogeneity(a: Sequence, b: Sequence, min_cell: int = 5) -> dict[str, float]:
+    """Two-sample chi-square test that samples `a` and `b` (hashable outcomes) come from one law.
+
+    Outcomes seen fewer than `min_cell` times in both samples together are pooled into one cell (the
+    chi-square approximation needs expected counts of about 5). Returns statistic, dof, p-value, cells."""
+    from scipy.stats import chi2_contingency
+
+    count_a, count_b = Counter(a), Counter(b)
+    cells = sorted(set(count_a) | set(count_b), key=lambda c: (-(count_a[c] + count_b[c]), str(c)))
+    frequent = [c for c in cells if count_a[c] + count_b[c] >= min_cell]
+    rare = [c for c in cells if count_a[c] + count_b[c] < min_cell]
+    table = np.array(
+        [
+            [count_a[c] for c in frequent] + [sum(count_a[c] for c in rare)],
+            [count_b[c] for c in frequent] + [sum(count_b[c] for c in rare)],
+        ]
+    )
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return {"statistic": 0.0, "dof": 0, "p_value": 1.0, "cells": int(table.shape[1])}
+    statistic, p_value, dof, _ = chi2_contingency(table, correction=False)
+    return {
+        "statistic": float(statistic),
+        "dof": int(dof),
+        "p_value": float(p_value),
+        "cells": int(table.shape[1]),
+    }
+
+
+def repeat_rate(samples: Sequence[tuple[int, ...]]) -> float:
+    """Fraction of sequences in which a token repeats an earlier one: only there can RAS act (a nucleus
+    draw of a token already in its window is replaced by a draw from the full law), so only there can a
+    verifier without RAS be told from the target."""
+    return float(np.mean([len(set(s)) < len(s) for s in samples])) if samples else 0.0
+
+
+def paired_differences(
+    ar_records: Sequence[dict], spec_records: Sequence[dict], n_resamples: int = 1000, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Speculative minus AR on the same utterances (records matched by `utt`): corpus WER (points of %)
+    and mean SIM, with paired bootstrap 95% CIs. One dict per metric."""
+    ar = {r["utt"]: r for r in ar_records}
+    pairs = [(ar[r["utt"]], r) for r in spec_records if r["utt"] in ar]
+    if len(pairs) < 2:
+        raise ValueError("the AR and speculative runs share fewer than 2 utterances: nothing to pair")
+
+    def wer_diff(ps):
+        def wer(side):
+            return sum(p[side]["errors"] for p in ps) / max(1, sum(p[side]["ref_words"] for p in ps))
+
+        return wer(1) - wer(0)
+
+    def sim_diff(ps):
+        both = [(a["sim"], s["sim"]) for a, s in ps if a.get("sim") is not None and s.get("sim") is not None]
+        return float(np.mean([s - a for a, s in both])) if both else float("nan")
+
+    rows = []
+    for name, fn, scale in (("WER (points of %)", wer_diff, 100.0), ("SIM", sim_diff, 1.0)):
+        lo, hi = bootstrap_ci(pairs, fn, n_resamples, seed)
+        value = fn(pairs)
+        rows.append({"metric": name, "speculative - AR": value * scale, "95% CI lo": lo * scale,
+                     "95% CI hi": hi * scale, "CI contains 0": bool(lo <= 0 <= hi), "pairs": len(pairs)})  # fmt: skip
+    return rows
