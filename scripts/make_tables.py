@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssd.evaluation.aggregate import (  # noqa: E402
-    SETTING_KEYS,
+from ssd.evaluation.tables import (  # noqa: E402
     aggregate,
     display_table,
     matching_row,
     select_setting,
+    setting_of,
     to_markdown,
 )
 
@@ -46,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.select_on is not None:
         dev = aggregate(args.select_on, args.baseline, figures=False)
         chosen = select_setting(dev)
-        setting = {k: chosen[k].item() if hasattr(chosen[k], "item") else chosen[k] for k in SETTING_KEYS}
         print(
-            f"\nchosen on dev ({args.select_on}): {setting} (dev LM-RTF {chosen['lm_rtf']:.3f}, "
+            f"\nchosen on dev ({args.select_on}): {setting_of(chosen)} (dev LM-RTF {chosen['lm_rtf']:.3f}, "
             f"dev WER {chosen['wer'] * 100:.1f}%)"
         )
         test_row = matching_row(table, chosen)

@@ -9,15 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.evaluation.experiments import (
-    chi_square_homogeneity,
-    exactness_chi_square,
-    experiment_names,
-    load_experiment,
-    merge_overrides,
-    override_value,
-    repeat_rate,
-)
+from ssd.config import group_options, merge_overrides, override_value
+from ssd.evaluation.metrics import chi_square_homogeneity, repeat_rate
+from ssd.experiments.driver import load_experiment
+from ssd.experiments.exactness import exactness_chi_square
 from tests.fixtures_eval import micro_world, sweep_overrides  # noqa: F401
 
 PAPER_EXPERIMENTS = {
@@ -38,7 +33,7 @@ def _grid(cfg) -> dict[str, list[str]]:
 
 
 def test_every_paper_experiment_has_a_config():
-    assert PAPER_EXPERIMENTS <= set(experiment_names())
+    assert PAPER_EXPERIMENTS <= set(group_options("experiment"))
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_EXPERIMENTS))
@@ -162,7 +157,7 @@ def test_repeat_rate_counts_sequences_with_a_repeated_token():
 
 @pytest.mark.slow
 def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world, tmp_path):  # noqa: F811
-    from ssd.evaluation.experiments import reproduce
+    from ssd.experiments.driver import reproduce
 
     overrides = [
         o for o in sweep_overrides(micro_world, n_utts=2, max_len=20) if not o.startswith("eval.n_speakers")

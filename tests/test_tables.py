@@ -10,9 +10,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ssd.evaluation.aggregate import aggregate, load_runs, matching_row, select_setting
 from ssd.evaluation.metrics import summarize
 from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE
+from ssd.evaluation.tables import (
+    aggregate,
+    display_table,
+    load_runs,
+    matching_row,
+    run_setting_keys,
+    select_setting,
+    setting_keys,
+)
 from tests.fixtures_eval import REPO
 
 
@@ -132,6 +140,55 @@ def test_load_runs_names_a_missing_sweep_dir(tmp_path):
         load_runs(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="nothing to aggregate"):
         load_runs(tmp_path)
+
+
+def test_a_user_rules_parameter_gets_its_own_column_rows_and_figure(tmp_path):
+    """metrics.json lists its setting keys: a rule parameter the tables have never heard of is shown."""
+    sweep = tmp_path / "sweep"
+    rng = np.random.default_rng(3)
+    base = {"target": "toy", "eval": "toy", "split": "test"}
+    _write_run(sweep / "decoding=ar", {**base, "decoding": "ar", "setting_keys": ["decoding"]},
+               _records(rng, 20, 0.5, 0.1, 0, 0))  # fmt: skip
+    for gamma in (0.5, 0.1):
+        labels = {**base, "decoding": "speculative", "acceptance": "my_rule", "gamma": gamma, "draft_len": 3,
+                  "adaptive": False, "draft": "toy",
+                  "setting_keys": ["decoding", "acceptance", "gamma", "draft_len", "adaptive"]}  # fmt: skip
+        _write_run(sweep / f"gamma={gamma:g}", labels, _records(rng, 20, 0.4, 0.1, 0.7, 3))
+    table = aggregate(sweep)
+    assert setting_keys(table) == ["decoding", "acceptance", "gamma", "draft_len", "adaptive"]
+    assert table["gamma"].tolist()[1:] == [0.1, 0.5]  # sorted by the parameter, AR first
+    shown = display_table(table)
+    assert list(shown.columns[:6]) == ["run", "decoding", "rule", "gamma", "L_d", "adaptive"]
+    assert shown["gamma"].tolist() == ["-", "0.1", "0.5"]
+    header, _, *rows = (sweep / "table.md").read_text().splitlines()
+    assert "| gamma |" in header and len(rows) == 3
+    assert "| gamma=0.1 | speculative | my_rule | 0.1 | 3 |" in rows[1]
+    assert "| gamma=0.5 | speculative | my_rule | 0.5 | 3 |" in rows[2]
+    assert (sweep / "fig_wer_sim_vs_gamma.png").stat().st_size > 1000  # the varying parameter is the x axis
+    row = matching_row(table, table[table["gamma"] == 0.5].iloc[0])
+    assert row["run"] == "gamma=0.5"
+
+
+def test_an_old_metrics_json_without_setting_keys_is_read_with_the_legacy_keys(tmp_path):
+    """Run dirs written before metrics.json listed `setting_keys`: decoding/acceptance/beta/theta/..."""
+    sweep = tmp_path / "sweep"
+    rng = np.random.default_rng(4)
+    base = {"target": "toy", "eval": "toy", "split": "test"}
+    _write_run(sweep / "decoding=ar", {**base, "decoding": "ar"}, _records(rng, 20, 0.5, 0.1, 0, 0))
+    for rule, key in (("pcg", "theta"), ("tolerance", "beta")):
+        labels = {**base, "decoding": "speculative", "acceptance": rule, key: 0.4, "draft_len": 3,
+                  "adaptive": False, "draft": "toy"}  # fmt: skip
+        _write_run(sweep / f"acceptance={rule}", labels, _records(rng, 20, 0.4, 0.1, 0.7, 3))
+    metrics = json.loads((sweep / "acceptance=pcg" / METRICS_FILE).read_text())
+    assert "setting_keys" not in metrics
+    assert run_setting_keys(metrics) == ["decoding", "acceptance", "theta", "draft_len", "adaptive"]
+    table = aggregate(sweep, figures=False)
+    assert setting_keys(table) == ["decoding", "acceptance", "beta", "theta", "draft_len", "adaptive"]
+    shown = display_table(table)
+    assert shown["rule"].tolist() == ["-", "pcg", "tolerance"]
+    assert shown["theta"].tolist() == ["-", "0.4", "-"] and shown["beta"].tolist() == ["-", "-", "0.4"]
+    pcg = matching_row(table, table[table["acceptance"] == "pcg"].iloc[0])
+    assert pcg["run"] == "acceptance=pcg"
 
 
 def test_make_tables_cli_prints_the_table_and_the_selection(tmp_path):

@@ -1,0 +1,526 @@
+"""One table (markdown, LaTeX, CSV) and a few figures over all runs of a sweep dir.
+
+`aggregate(sweep_dir)` reads every `metrics.json` below `sweep_dir` (and lists jobs that left an
+`error.json`), computes the speedup of each run against the `decoding=ar` run of the same sweep
+(same target and eval: add it to the sweep dir with `python sweep.py -m decoding=ar
+hydra.sweep.dir=<sweep dir>`, which also re-aggregates), or against a `baseline` run dir, adds the
+measured per-call costs (`add_cost_columns`), and writes `table.{md,tex,csv}` and `fig_*.png` into the
+sweep dir. The experiment driver (`ssd.experiments`) writes its tables with the same `write_table`.
+
+A run's decoding setting is named by the keys listed in its metrics.json `setting_keys` (e.g.
+["decoding", "acceptance", "beta", "draft_len", "adaptive"]; a rule's own parameters, whatever their
+names, are among them). The table's setting columns are those keys over all runs (`setting_keys`);
+sorting, the shown columns, the figures' curves and matching a setting across sweeps all use them.
+
+Choosing beta / L_d on a held-out split (`select_setting`, `scripts/make_tables.py --select-on`):
+on the DEV sweep, keep the speculative settings whose WER bootstrap CI overlaps the AR baseline's WER CI
+(no detectable WER loss), take the one with the lowest LM-RTF, and report the SAME setting from the TEST
+sweep. Choosing on the test split itself would overstate the speedup that holds at equal quality.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE, RESULTS_FILE
+
+# The setting keys of run dirs written before metrics.json listed its own `setting_keys`.
+LEGACY_SETTING_KEYS = ("decoding", "acceptance", "beta", "theta", "draft_len", "adaptive")
+# Setting keys that are not an acceptance rule's own parameters.
+DECODING_KEYS = ("decoding", "acceptance", "draft_len", "adaptive")
+COLUMN_NAMES = {"acceptance": "rule", "draft_len": "L_d"}  # setting key -> table header
+SYMBOLS = {"beta": "β", "draft_len": "L_d"}  # setting key -> figure label
+COST_KEYS = ("time_draft", "draft_calls", "time_verify", "target_calls")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading run dirs
+# --------------------------------------------------------------------------------------------------
+
+
+def run_setting_keys(metrics: dict) -> list[str]:
+    """The keys naming one run's decoding setting: the `setting_keys` its metrics.json lists, or, for a
+    metrics.json written before the runner listed them (older run dirs), those of LEGACY_SETTING_KEYS it has."""
+    keys = metrics.get("setting_keys")
+    return list(keys) if keys is not None else [k for k in LEGACY_SETTING_KEYS if k in metrics]
+
+
+def setting_keys(table: pd.DataFrame) -> list[str]:
+    """The setting keys over all runs of `table`, each run's order kept: the runs' distinct key lists are
+    merged in sorted order (the same order for any subset of the runs), a key not listed yet going just
+    before the next of its run's keys already listed (so `theta` lands next to `beta`, before `draft_len`)."""
+    if "setting_keys" not in table:  # a table that did not come from load_runs
+        return [k for k in LEGACY_SETTING_KEYS if k in table]
+    keys: list[str] = []
+    for text in sorted(table["setting_keys"].dropna().unique()):
+        run_keys = [k for k in str(text).split(",") if k]
+        for i, key in enumerate(run_keys):
+            if key not in keys:
+                keys.insert(next((keys.index(k) for k in run_keys[i + 1 :] if k in keys), len(keys)), key)
+    return keys
+
+
+def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per run dir below `sweep_dir`: its setting labels and metrics; failed jobs have `status=failed`.
+    Column `setting_keys` holds each run's setting keys, comma-joined."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep dir {sweep_dir} does not exist")
+    rows = []
+    for path in sorted(sweep_dir.rglob(METRICS_FILE)):
+        metrics = json.loads(path.read_text())
+        row = {"run": str(path.parent.relative_to(sweep_dir)) or ".", "status": "ok"}
+        for key, value in metrics.items():
+            if isinstance(value, list) and len(value) == 2 and key.endswith("_ci"):
+                row[f"{key}_lo"], row[f"{key}_hi"] = value
+            elif not isinstance(value, (list, dict)):
+                row[key] = value
+        row["setting_keys"] = ",".join(run_setting_keys(metrics))
+        for i, (alpha, beta_t) in enumerate(zip(metrics.get("alpha_per_position", []),
+                                                 metrics.get("beta_per_position", []))):  # fmt: skip
+            row[f"alpha_{i + 1}"], row[f"beta_t_{i + 1}"] = alpha, beta_t
+        for i, tv in enumerate(metrics.get("tv_per_position", [])):
+            row[f"tv_{i + 1}"] = tv
+        for slot, acc in (metrics.get("slot_accuracy") or {}).items():
+            row[f"slot_{slot}"] = acc
+        rows.append(row)
+    for path in sorted(sweep_dir.rglob(ERROR_FILE)):
+        if not (path.parent / METRICS_FILE).is_file():
+            error = json.loads(path.read_text()).get("error", "")
+            rows.append({"run": str(path.parent.relative_to(sweep_dir)), "status": "failed", "error": error})
+    if not rows:
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} (or {ERROR_FILE}) below {sweep_dir}: nothing to aggregate"
+        )
+    table = pd.DataFrame(rows)
+    for key in ("decoding", *setting_keys(table)):
+        if key not in table:
+            table[key] = np.nan
+    return table
+
+
+def add_speedup(table: pd.DataFrame, baseline_rtf: float | None = None) -> pd.DataFrame:
+    """speedup = LM-RTF of the AR run (same target and eval) / LM-RTF of the row; `baseline_rtf` overrides."""
+    table = table.copy()
+    speedups = []
+    for _, row in table.iterrows():
+        base = baseline_rtf
+        if base is None and row.get("status") == "ok":
+            same = (table["decoding"] == "ar") & (table["status"] == "ok")
+            for key in ("target", "eval"):
+                if key in table:
+                    same &= table[key] == row.get(key)
+            if same.any():
+                base = float(table.loc[same, "lm_rtf"].mean())
+        if base is None and not math.isnan(float(row.get("speedup", np.nan) or np.nan)):
+            speedups.append(float(row["speedup"]))  # from the run's own baseline_dir
+            continue
+        rtf = row.get("lm_rtf")
+        speedups.append(base / rtf if base is not None and rtf and not math.isnan(rtf) else np.nan)
+    table["speedup"] = speedups
+    return table
+
+
+def _run_sums(run_dir: Path) -> dict[str, float]:
+    """Sums of the timing counts over a run's records (read only: a half-written last line is skipped)."""
+    sums = dict.fromkeys(COST_KEYS, 0.0)
+    path = run_dir / RESULTS_FILE
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break  # the run is still writing it
+        for key in COST_KEYS:
+            sums[key] += float(record.get(key) or 0)
+    return sums
+
+
+def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
+    """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens per target pass with i.i.d. acceptance (REFERENCE §1.4)."""
+    return draft_len + 1.0 if alpha >= 1 else (1 - alpha ** (draft_len + 1)) / (1 - alpha)
+
+
+def add_cost_columns(table: pd.DataFrame, sweep_dir: str | Path) -> pd.DataFrame:
+    """Per-call costs measured in each run, and the speedup they predict from the measured α:
+    c = draft call / AR target call, v = verify call / AR target call, predicted = E(α, L_d) / (L_d·c + v)."""
+    sweep_dir = Path(sweep_dir)
+    table = table.copy()
+    for column in ("c_draft", "verify_cost", "predicted_speedup"):
+        table[column] = np.nan
+    ok = table["status"] == "ok"
+    ar = table[ok & (table["decoding"] == "ar")]
+    if ar.empty:
+        return table
+    ar_sums = [_run_sums(sweep_dir / run) for run in ar["run"]]
+    t_ar = sum(s["time_verify"] for s in ar_sums) / max(1.0, sum(s["target_calls"] for s in ar_sums))
+    for idx, row in table[ok & (table["decoding"] == "speculative")].iterrows():
+        sums = _run_sums(sweep_dir / row["run"])
+        if not (sums["draft_calls"] and sums["target_calls"] and t_ar) or pd.isna(row.get("draft_len")):
+            continue
+        c = sums["time_draft"] / sums["draft_calls"] / t_ar
+        v = sums["time_verify"] / sums["target_calls"] / t_ar
+        k = int(row["draft_len"])
+        table.loc[idx, ["c_draft", "verify_cost"]] = c, v
+        table.loc[idx, "predicted_speedup"] = expected_tokens_per_round(row["acceptance_rate"], k) / (
+            k * c + v
+        )
+    return table
+
+
+def _sort(table: pd.DataFrame) -> pd.DataFrame:
+    order = {"ar": 0, "draft_only": 1, "speculative": 2}
+    key = table["decoding"].map(order).fillna(3)
+    by = ["_order", *(k for k in setting_keys(table) if k != "decoding"), "run"]
+    return (
+        table.assign(_order=key)
+        .sort_values(by, na_position="first")
+        .drop(columns="_order")
+        .reset_index(drop=True)
+    )
+
+
+def build_table(sweep_dir: str | Path, baseline_dir: str | Path | None = None) -> pd.DataFrame:
+    """The full numeric table of a sweep dir (sorted, with speedups and per-call costs); writes nothing."""
+    sweep_dir = Path(sweep_dir)
+    baseline_rtf = None
+    if baseline_dir is not None:
+        path = Path(baseline_dir) / METRICS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"baseline run dir {baseline_dir} has no {METRICS_FILE}")
+        baseline_rtf = float(json.loads(path.read_text())["lm_rtf"])
+    return add_cost_columns(_sort(add_speedup(load_runs(sweep_dir), baseline_rtf)), sweep_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------------
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if _missing(value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _fmt_setting(value: Any) -> str:
+    if _missing(value):
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def with_ci(row: pd.Series, key: str, digits: int = 3, scale: float = 1.0) -> str:
+    """'value [lo, hi]' of metric `key` (its CI from the `<key>_ci_lo/hi` columns, left out when unknown)."""
+    value = row.get(key)
+    if _missing(value):
+        return "-"
+    lo, hi = row.get(f"{key}_ci_lo"), row.get(f"{key}_ci_hi")
+    text = f"{value * scale:.{digits}f}"
+    if not (_missing(lo) or _missing(hi)):
+        text += f" [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+    return text
+
+
+def setting_of(row: pd.Series) -> dict[str, Any]:
+    """The decoding setting of one table row, {key: plain value} (keys it does not have are left out)."""
+    text = row.get("setting_keys")
+    keys = text.split(",") if isinstance(text, str) else [k for k in LEGACY_SETTING_KEYS if k in row.index]
+    out = {}
+    for key in keys:
+        value = row.get(key)
+        value = value.item() if hasattr(value, "item") else value
+        if not _missing(value):
+            out[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+    return out
+
+
+def describe_setting(row: pd.Series) -> str:
+    """'decoding=speculative, acceptance=tolerance, beta=0.4, ...'."""
+    return ", ".join(f"{k}={_fmt_setting(v)}" for k, v in setting_of(row).items())
+
+
+def _label(values: dict[str, Any]) -> str:
+    """A figure's curve label: 'tolerance β=0.2', 'pcg theta=0.4 L_d=3', 'exact adaptive'."""
+    parts = []
+    for key, value in values.items():
+        if _missing(value) or (isinstance(value, (bool, np.bool_)) and not value):
+            continue
+        if key == "acceptance":
+            parts.append(str(value))
+        elif isinstance(value, (bool, np.bool_)):
+            parts.append(key)
+        else:
+            parts.append(f"{SYMBOLS.get(key, key)}={_fmt_setting(value)}")
+    return " ".join(parts) or "speculative"
+
+
+def display_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The human-readable table: setting columns, LM-RTF, speedup, WER (%), SIM, acceptance with 95% CIs,
+    and the measured per-call costs where `add_cost_columns` found them."""
+    ok = table[table["status"] == "ok"]
+    keys = setting_keys(table) or ["decoding"]
+    if ok.empty:
+        names = [COLUMN_NAMES.get(k, k) for k in keys]
+        return pd.DataFrame(columns=["run", *names, "n", "LM-RTF [95% CI]", "WER % [95% CI]"])
+    out = pd.DataFrame({"run": ok["run"]})
+    for key in keys:
+        out[COLUMN_NAMES.get(key, key)] = ok[key].map(_fmt_setting)
+    out = out.assign(**{
+        "n": ok["num_utterances"].astype(int),
+        "LM-RTF [95% CI]": [with_ci(r, "lm_rtf") for _, r in ok.iterrows()],
+        "speedup": ok["speedup"].map(lambda v: _fmt(v, 2)),
+        "WER % [95% CI]": [with_ci(r, "wer", 1, 100) for _, r in ok.iterrows()],
+        "WER/utt %": ok["wer_per_utt"].map(lambda v: _fmt(v * 100, 1)),
+        "SIM [95% CI]": [with_ci(r, "sim") for _, r in ok.iterrows()],
+        "accept": ok["acceptance_rate"].map(_fmt),
+        "acc. len": ok["mean_accepted_length"].map(lambda v: _fmt(v, 2)),
+        "target calls/token": ok["target_calls_per_token"].map(_fmt),
+    })  # fmt: skip
+    tv_columns = [c for c in ok.columns if c.startswith("tv_") and c[3:].isdigit()]
+    if tv_columns:  # per-step TV(output law, target law), mean over draft positions: 0 for exact rules
+        out["TV drift"] = ok[tv_columns].mean(axis=1).map(lambda v: _fmt(v, 4))
+    if "wer_wrong_sentence" in ok:
+        out["WER vs wrong text %"] = ok["wer_wrong_sentence"].map(lambda v: _fmt(v * 100, 1))
+    if "predicted_speedup" in ok and ok["predicted_speedup"].notna().any():
+        out["c (draft/AR call)"] = ok["c_draft"].map(_fmt)
+        out["verify/AR call"] = ok["verify_cost"].map(lambda v: _fmt(v, 2))
+        out["predicted speedup"] = ok["predicted_speedup"].map(lambda v: _fmt(v, 2))
+    return out.reset_index(drop=True)
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    # Written out because pandas' to_markdown needs `tabulate`, which the project does not depend on.
+    header = "| " + " | ".join(frame.columns) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    lines = ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *lines]) + "\n"
+
+
+def write_table(table: pd.DataFrame, out_dir: str | Path, stem: str = "table") -> pd.DataFrame:
+    """<stem>.csv (every column), <stem>.md and <stem>.tex (the readable table, failed jobs listed under the
+    markdown); returns the readable table."""
+    out_dir = Path(out_dir)
+    table.to_csv(out_dir / f"{stem}.csv", index=False)
+    shown = display_table(table)
+    markdown = to_markdown(shown)
+    failed = table[table["status"] == "failed"]
+    if not failed.empty:
+        markdown += "\nFailed jobs (see error.json in each):\n" + "".join(
+            f"- {r['run']}: {r['error']}\n" for _, r in failed.iterrows()
+        )
+    (out_dir / f"{stem}.md").write_text(markdown)
+    (out_dir / f"{stem}.tex").write_text(shown.to_latex(index=False, escape=True))
+    return shown
+
+
+def paper_table(rows: list[dict] | None) -> str:
+    """The paper's numbers (an experiment config's `reproduce.paper`), as they are."""
+    if not rows:
+        return "(the paper reports no numbers for this experiment)\n"
+    names = {"setting": "setting", "lm_rtf": "LM-RTF", "speedup": "speedup", "wer_pct": "WER %", "sim": "SIM"}
+    columns = [c for c in names if any(c in r for r in rows)]
+    columns += [c for r in rows for c in r if c not in columns]
+    frame = pd.DataFrame([{names.get(c, c): r.get(c, "-") for c in columns} for r in rows])
+    return to_markdown(frame)
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------------------
+
+
+def _curves(frame: pd.DataFrame, keys: list[str]):
+    """(label, rows) per distinct setting of `keys` in `frame`, in order of first appearance."""
+    labels = frame.apply(lambda row: _label({k: row.get(k) for k in keys}), axis=1)
+    return [(label, frame[labels == label]) for label in dict.fromkeys(labels)]
+
+
+def _varying_rule_parameters(spec: pd.DataFrame, keys: list[str]) -> list[str]:
+    """The numeric rule parameters (setting keys that are not DECODING_KEYS) taking several values."""
+    return [k for k in keys if k not in DECODING_KEYS and pd.api.types.is_numeric_dtype(spec[k])
+            and not pd.api.types.is_bool_dtype(spec[k]) and spec[k].dropna().nunique() > 1]  # fmt: skip
+
+
+def _figures(table: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """LM-RTF and acceptance vs L_d (a curve per rule setting), WER and SIM vs each numeric rule parameter
+    that varies (`fig_wer_sim_vs_<parameter>.png`, a curve per remaining setting), α per draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    ok = table[table["status"] == "ok"]
+    spec = ok[ok["decoding"] == "speculative"]
+    ar = ok[ok["decoding"] == "ar"]
+    keys = setting_keys(table)
+    written = []
+    if spec.empty:
+        return written
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label, group in _curves(spec, [k for k in keys if k not in ("decoding", "draft_len")]):
+        group = group.sort_values("draft_len")
+        err = [group["lm_rtf"] - group["lm_rtf_ci_lo"], group["lm_rtf_ci_hi"] - group["lm_rtf"]]
+        axes[0].errorbar(group["draft_len"], group["lm_rtf"], yerr=err, marker="o", capsize=3, label=label)
+        axes[1].plot(group["draft_len"], group["acceptance_rate"], marker="o", label=label)
+    for _, row in ar.iterrows():
+        axes[0].axhline(row["lm_rtf"], color="k", ls="--", lw=1, label="AR")
+    axes[0].set(xlabel="draft length L_d", ylabel="LM-RTF (lower is faster)", title="LM-RTF vs L_d")
+    axes[1].set(xlabel="draft length L_d", ylabel="acceptance rate", title="acceptance vs L_d")
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend()
+        ax.grid(alpha=0.3)
+    written.append(_save(fig, out_dir / "fig_rtf_acceptance_vs_draft_len.png"))
+
+    for param in _varying_rule_parameters(spec, keys):
+        symbol = SYMBOLS.get(param, param)
+        rows = spec.dropna(subset=[param])
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for label, group in _curves(rows, [k for k in keys if k not in ("decoding", param)]):
+            group = group.sort_values(param)
+            for ax, key, scale in ((axes[0], "wer", 100), (axes[1], "sim", 1)):
+                err = [
+                    (group[key] - group[f"{key}_ci_lo"]) * scale,
+                    (group[f"{key}_ci_hi"] - group[key]) * scale,
+                ]
+                ax.errorbar(group[param], group[key] * scale, yerr=err, marker="o", capsize=3, label=label)
+        for _, row in ar.iterrows():
+            axes[0].axhspan(
+                row["wer_ci_lo"] * 100, row["wer_ci_hi"] * 100, color="k", alpha=0.1, label="AR 95% CI"
+            )
+            axes[1].axhspan(row["sim_ci_lo"], row["sim_ci_hi"], color="k", alpha=0.1, label="AR 95% CI")
+        axes[0].set(xlabel=symbol, ylabel="WER %", title=f"WER vs {symbol}")
+        axes[1].set(xlabel=symbol, ylabel="SIM to prompt", title=f"SIM vs {symbol}")
+        for ax in axes:
+            ax.legend()
+            ax.grid(alpha=0.3)
+        written.append(_save(fig, out_dir / f"fig_wer_sim_vs_{param}.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for _, row in spec.iterrows():
+        alphas = [
+            row[c] for c in sorted(c for c in row.index if c.startswith("alpha_")) if not pd.isna(row[c])
+        ]
+        ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=row["run"])
+    ax.set(
+        xlabel="draft position i", ylabel="α_i = P(keep token i | tokens before kept)", title="α per position"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    written.append(_save(fig, out_dir / "fig_alpha_per_position.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def aggregate(
+    sweep_dir: str | Path, baseline_dir: str | Path | None = None, figures: bool = True
+) -> pd.DataFrame:
+    """Write table.{md,tex,csv} (+ figures) into `sweep_dir`; returns the full numeric table."""
+    table = build_table(sweep_dir, baseline_dir)
+    write_table(table, sweep_dir, "table")
+    if figures:
+        _figures(table, Path(sweep_dir))
+    return table
+
+
+# --------------------------------------------------------------------------------------------------
+# Choosing a setting
+# --------------------------------------------------------------------------------------------------
+
+
+def select_setting(dev: pd.DataFrame) -> pd.Series:
+    """On a DEV table: the fastest speculative setting whose WER CI overlaps the AR run's WER CI."""
+    ok = dev[dev["status"] == "ok"]
+    ar = ok[ok["decoding"] == "ar"]
+    if ar.empty:
+        raise ValueError("select_setting: the dev sweep has no decoding=ar run to compare WER against")
+    ar_lo, ar_hi = float(ar["wer_ci_lo"].min()), float(ar["wer_ci_hi"].max())
+    spec = ok[ok["decoding"] == "speculative"]
+    eligible = spec[(spec["wer_ci_lo"] <= ar_hi) & (spec["wer_ci_hi"] >= ar_lo)]
+    if eligible.empty:
+        raise ValueError(
+            f"select_setting: no speculative setting has a WER CI overlapping the AR baseline's "
+            f"[{ar_lo:.3f}, {ar_hi:.3f}]; all lose measurable quality"
+        )
+    return eligible.sort_values("lm_rtf").iloc[0]
+
+
+def matching_row(table: pd.DataFrame, setting: pd.Series) -> pd.Series:
+    """The row of `table` with the same decoding setting as `setting` (every setting key of either: a key
+    the row lacks must be missing in `table` too)."""
+    ok = table[table["status"] == "ok"]
+    keys = list(dict.fromkeys([*setting_keys(table), *setting_of(setting)]))
+    mask = pd.Series(True, index=ok.index)
+    for key in keys:
+        value = setting.get(key)
+        column = ok[key] if key in ok else pd.Series(np.nan, index=ok.index)
+        mask &= column.isna() if _missing(value) else column == value
+    if not mask.any():
+        raise ValueError(f"the test sweep has no run with the setting chosen on dev: {setting_of(setting)}")
+    return ok[mask].iloc[0]
+
+
+def select_on_dev(dev: pd.DataFrame, test: pd.DataFrame) -> tuple[str, pd.DataFrame | None]:
+    """The reviewer's protocol: choose on dev (select_setting), report the same setting on test.
+    Returns the text and the test rows to show (AR and the chosen setting), or None."""
+    try:
+        chosen = select_setting(dev)
+    except ValueError as err:
+        return f"No setting chosen on dev: {err}.\n", None
+    text = (
+        f"Chosen on the dev split (fastest speculative setting whose WER CI overlaps AR's): "
+        f"**{describe_setting(chosen)}** (dev LM-RTF {with_ci(chosen, 'lm_rtf')}, dev WER % "
+        f"{with_ci(chosen, 'wer', 1, 100)}).\n"
+    )
+    try:
+        row = matching_row(test, chosen)
+    except ValueError as err:
+        return text + f"{err}\n", None
+    ar = test[(test["decoding"] == "ar") & (test["status"] == "ok")]
+    return text + "The same setting on the test split:\n\n", test.loc[[*ar.index, row.name]]
+
+
+def matched_speed(table: pd.DataFrame, reference: dict, candidates: dict) -> tuple[str, pd.DataFrame | None]:
+    """The `reference` row (e.g. {acceptance: tolerance, beta: 0.4}) and the `candidates` row (e.g.
+    {acceptance: pcg}) with the closest speedup, shown with AR and the exact rules' rows."""
+    ok = table[(table["status"] == "ok") & (table["decoding"] == "speculative")]
+
+    def rows_like(setting: dict) -> pd.DataFrame:
+        mask = pd.Series(True, index=ok.index)
+        for key, value in setting.items():
+            mask &= (ok[key] == value) if key in ok else False
+        return ok[mask]
+
+    ref_rows, cand_rows = rows_like(reference), rows_like(candidates).dropna(subset=["speedup"])
+    if ref_rows.empty or cand_rows.empty or pd.isna(ref_rows["speedup"].iloc[0]):
+        return "Matched speed: the reference or candidate runs (or the AR baseline) are missing.\n", None
+    ref = ref_rows.iloc[0]
+    best = cand_rows.loc[(cand_rows["speedup"] - ref["speedup"]).abs().idxmin()]
+    ar = table[(table["decoding"] == "ar") & (table["status"] == "ok")]
+    beta = ok["beta"] if "beta" in ok else pd.Series(np.nan, index=ok.index)
+    exact = ok[(ok["acceptance"] == "exact") | ((ok["acceptance"] == "tolerance") & (beta == 0))]
+    text = (
+        f"Matched speed: {describe_setting(ref)} runs at {ref['speedup']:.2f}x; the closest candidate is "
+        f"{describe_setting(best)} at {best['speedup']:.2f}x.\n\n"
+    )
+    return text, table.loc[[*ar.index, *exact.index, ref.name, best.name]]
