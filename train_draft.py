@@ -11,10 +11,10 @@ import os
 import hydra
 from omegaconf import DictConfig
 
-from ssd.training.schema import register_schema
+from ssd.config import register
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local dirs only
-register_schema()
+register()  # the configs' schemas and resolvers
 
 
 @hydra.main(config_path="configs", config_name="train_draft", version_base="1.3")

@@ -29,10 +29,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from ssd.decoding.acceptance import make_rule  # noqa: E402
+from ssd.config import option_node  # noqa: E402
 from ssd.decoding.generate import decode_ar, decode_speculative  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
@@ -252,7 +253,7 @@ def main() -> None:
         table.add_column(col)
     for spec in args.rules.split(","):
         name, _, value = spec.partition(":")
-        rule = make_rule(name, alpha=float(value)) if name == "synthetic" else make_rule(name)
+        rule = instantiate(option_node("acceptance", name, **({"alpha": float(value)} if value else {})))
         label = f"{name} α={value} (SYNTHETIC)" if name == "synthetic" else name
         for k, rows in itertools.product(map(int, args.draft_lens.split(",")), paddings):
             if rows is not None and rows <= k + 1:

@@ -22,8 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers load from local dirs only
 
+from ssd.config import group_options, option_node  # noqa: E402
 from ssd.data.libritts import TEST_CLEAN, make_zero_shot_pairs, save_table, scan_libritts  # noqa: E402
-from ssd.data.prepare import SPEECH_TOKENIZER_KINDS, prepare_corpus  # noqa: E402
+from ssd.data.prepare import prepare_corpus  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     tokens.add_argument("--subsets", nargs="+", default=None, help="subset folders to use (default: all)")
     tokens.add_argument("--text-tokenizer", required=True, help="local HF tokenizer dir of the target")
     tokens.add_argument(
-        "--speech-tokenizer", required=True, choices=SPEECH_TOKENIZER_KINDS, help="which speech tokenizer"
+        "--speech-tokenizer",
+        required=True,
+        choices=group_options("speech_tokenizer"),
+        help="which speech tokenizer (configs/speech_tokenizer/)",
     )
     tokens.add_argument(
         "--speech-tokenizer-path",
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             args.corpus_root,
             args.out_dir,
             text_tokenizer=args.text_tokenizer,
-            speech_tokenizer=args.speech_tokenizer,
-            speech_tokenizer_path=args.speech_tokenizer_path,
+            speech_tokenizer=option_node(
+                "speech_tokenizer", args.speech_tokenizer, path=args.speech_tokenizer_path
+            ),
             subsets=args.subsets,
             shard_size=args.shard_size,
             num_workers=args.num_workers,

@@ -144,7 +144,6 @@ def run_sweep(args: list[str], timeout: float = 600, **kwargs) -> subprocess.Com
 
 def compose_sweep_config(overrides: list[str], with_hydra: bool = False):
     """configs/sweep.yaml composed with `overrides`, as sweep.py sees it (+ the `hydra` node if asked)."""
-    from hydra import compose, initialize_config_dir
+    from ssd.config import compose
 
-    with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
-        return compose("sweep", overrides=overrides, return_hydra_config=with_hydra)
+    return compose("sweep", overrides, with_hydra=with_hydra)

@@ -16,7 +16,6 @@ from ssd.decoding.acceptance import (
     TargetOnlyRule,
     ToleranceRule,
     TypicalRule,
-    make_rule,
 )
 
 P_REJECT = 1e-3
@@ -189,7 +188,32 @@ def test_pcg_accepts_more_than_exact_with_wide_groups():
     assert torch.minimum(pc, qc).sum() > exact_accept
 
 
-def test_make_rule_names_the_choices_on_a_typo():
-    with pytest.raises(ValueError, match="exact"):
-        make_rule("exakt")
-    assert isinstance(make_rule("tolerance", beta=0.2), ToleranceRule)
+def test_every_shipped_rule_config_builds_its_rule_and_labels_its_runs():
+    from hydra.utils import instantiate
+
+    from ssd.config import group_options, option_node
+
+    labels = {}
+    for option in group_options("acceptance"):
+        rule = instantiate(option_node("acceptance", option, **({"beta": 0.2} if option == "tolerance" else {})
+                                      | ({"theta": 0.3} if option == "pcg" else {})))  # fmt: skip
+        labels[rule.name] = rule.labels()
+    assert labels["tolerance"] == {"beta": 0.2} and labels["pcg"] == {"theta": 0.3}
+    assert labels["exact"] == labels["greedy"] == labels["target_only"] == {}
+    assert set(labels) == {"exact", "tolerance", "greedy", "target_only", "typical", "synthetic", "pcg"}
+
+
+def test_pcg_takes_its_groups_from_the_target_it_is_bound_to():
+    emb = torch.eye(4).repeat_interleave(2, 0) + 0.01 * torch.randn(
+        8, 4, generator=torch.Generator().manual_seed(0)
+    )
+
+    class Target:
+        vocab_size, device = 8, torch.device("cpu")
+
+        def embed_speech(self, tokens):
+            return emb[tokens]
+
+    bound = PCGRule(theta=0.9).bind(Target())
+    direct = PCGRule(emb, theta=0.9)
+    assert torch.equal(bound.neighbors, direct.neighbors) and bound.group_size.tolist() == [2] * 8

@@ -10,7 +10,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.decoding.interface import SpeechLM  # noqa: E402
+from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
 from tests.fixtures_models import TINY_SPEECH_TOKENS, tiny_cosyvoice2_dir  # noqa: E402,F401
 

@@ -9,9 +9,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.decoding.interface import SpeechLM  # noqa: E402
+from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM  # noqa: E402
-from ssd.models.draft import build_draft, describe, load_draft, save_draft  # noqa: E402
+from ssd.models.draft import Draft, build_draft, describe, load_draft, save_draft  # noqa: E402
 from tests.fixtures_models import make_tiny_cosyvoice2_dir, tiny_cosyvoice2_dir  # noqa: E402,F401
 
 torch.set_num_threads(1)
@@ -24,23 +24,29 @@ def target(tiny_cosyvoice2_dir):  # noqa: F811
 
 def test_frozen_tensors_equal_source_layers_and_flags_are_right(target):
     draft = build_draft(target, layers=[0, 3], trainable=["layers.0", "head"], share_embeddings=True)
-    assert type(draft) is CosyVoice2LM and len(draft.backbone.layers) == 2
+    assert (
+        isinstance(draft, Draft)
+        and type(draft.model) is CosyVoice2LM
+        and len(draft.model.backbone.layers) == 2
+    )
     for j, i in enumerate([0, 3]):
         for (name, p), (_, q) in zip(
-            draft.backbone.layers[j].named_parameters(), target.backbone.layers[i].named_parameters()
+            draft.model.backbone.layers[j].named_parameters(), target.backbone.layers[i].named_parameters()
         ):
             assert torch.equal(p, q), name
             assert p.data_ptr() != q.data_ptr()  # layers are copies
             assert p.requires_grad == (j == 0)
     # frozen embeddings are the target's own tensors; the trainable head is a copy
-    assert draft.speech_embedding.weight.data_ptr() == target.speech_embedding.weight.data_ptr()
-    assert draft.backbone.embed_tokens.weight.data_ptr() == target.backbone.embed_tokens.weight.data_ptr()
-    assert not draft.speech_embedding.weight.requires_grad
-    assert draft.llm_decoder.weight.requires_grad and draft.llm_decoder.bias.requires_grad
-    assert draft.llm_decoder.weight.data_ptr() != target.llm_decoder.weight.data_ptr()
-    assert torch.equal(draft.llm_decoder.weight, target.llm_decoder.weight)
+    assert draft.model.speech_embedding.weight.data_ptr() == target.speech_embedding.weight.data_ptr()
+    assert (
+        draft.model.backbone.embed_tokens.weight.data_ptr() == target.backbone.embed_tokens.weight.data_ptr()
+    )
+    assert not draft.model.speech_embedding.weight.requires_grad
+    assert draft.model.llm_decoder.weight.requires_grad and draft.model.llm_decoder.bias.requires_grad
+    assert draft.model.llm_decoder.weight.data_ptr() != target.llm_decoder.weight.data_ptr()
+    assert torch.equal(draft.model.llm_decoder.weight, target.llm_decoder.weight)
     copied = build_draft(target, layers=[1], trainable=[], share_embeddings=False)
-    assert copied.speech_embedding.weight.data_ptr() != target.speech_embedding.weight.data_ptr()
+    assert copied.model.speech_embedding.weight.data_ptr() != target.speech_embedding.weight.data_ptr()
     assert not any(p.requires_grad for p in copied.parameters())
 
 
@@ -56,7 +62,7 @@ def test_training_the_draft_leaves_the_target_unchanged(target):
             if p.grad is not None:
                 p -= 0.1 * p.grad
     assert torch.equal(target.llm_decoder.weight, before)
-    assert not torch.equal(draft.llm_decoder.weight, before)
+    assert not torch.equal(draft.model.llm_decoder.weight, before)
     assert target.speech_embedding.weight.grad is None
 
 
@@ -95,13 +101,13 @@ def test_describe_lists_trainable_and_frozen_counts(target):
 def test_checkpoint_round_trip_and_wrong_target(target, tmp_path):
     draft = build_draft(target, layers=[0, 3], trainable=["layers.0", "head"])
     with torch.no_grad():
-        draft.llm_decoder.bias.add_(1.0)
-        draft.backbone.layers[0].mlp.up_proj.weight.mul_(1.5)
+        draft.model.llm_decoder.bias.add_(1.0)
+        draft.model.backbone.layers[0].mlp.up_proj.weight.mul_(1.5)
     path = save_draft(tmp_path / "draft.pt", draft)
     saved = torch.load(path, weights_only=True)["trained"]
     assert all(k.startswith(("backbone.layers.0.", "llm_decoder.")) for k in saved)
     again = load_draft(path, target)
-    for (k, p), (_, q) in zip(draft.state_dict().items(), again.state_dict().items()):
+    for (k, p), (_, q) in zip(draft.model.state_dict().items(), again.model.state_dict().items()):
         assert torch.equal(p, q), k
     assert [p.requires_grad for p in again.parameters()] == [p.requires_grad for p in draft.parameters()]
     same_shape_other = CosyVoice2LM.from_dir(make_tiny_cosyvoice2_dir(tmp_path / "other", seed=1))

@@ -24,6 +24,8 @@ PAPER_EXPERIMENTS = {
     "draft_training",
 }
 
+TOLERANCE = "ssd.decoding.acceptance.ToleranceRule"
+
 
 def _grid(cfg) -> dict[str, list[str]]:
     return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
@@ -49,7 +51,7 @@ def test_experiment_composes_with_the_sweep_config_and_documents_the_paper(name)
 def test_table1_compares_ar_draft_alone_and_ssd_at_the_papers_setting():
     cfg = load_experiment("table1_main")
     assert _grid(cfg) == {"decoding": ["ar", "draft_only", "speculative"]}
-    assert (cfg.acceptance.name, cfg.acceptance.beta, cfg.decoding.draft_len) == ("tolerance", 0.4, 3)
+    assert (cfg.acceptance._target_, cfg.acceptance.beta, cfg.decoding.draft_len) == (TOLERANCE, 0.4, 3)
 
 
 def test_table3_sweeps_beta_at_draft_len_3_with_ar_and_a_dev_split():
@@ -78,7 +80,7 @@ def test_pcg_vs_ssd_sweeps_theta_and_adds_exact_and_ssd():
 def test_exactness_runs_ar_against_beta_0():
     cfg = load_experiment("exactness")
     assert _grid(cfg) == {"decoding": ["ar", "speculative"]}
-    assert cfg.acceptance.name == "tolerance" and cfg.acceptance.beta == 0
+    assert cfg.acceptance._target_ == TOLERANCE and cfg.acceptance.beta == 0
     assert cfg.reproduce.study == "exactness" and cfg.reproduce.chi_square.samples >= 10000
 
 

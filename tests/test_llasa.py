@@ -9,7 +9,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.decoding.interface import SpeechLM  # noqa: E402
+from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.draft import build_draft  # noqa: E402
 from ssd.models.llasa import LlasaLM  # noqa: E402
 from tests.fixtures_models import TINY_LLASA_SPEECH_TOKENS, tiny_llasa_dir  # noqa: E402,F401
@@ -66,8 +66,11 @@ def test_logits_equal_hf_llama_on_the_speech_slice(model, tiny_llasa_dir):  # no
 def test_tied_head_becomes_a_separate_trainable_draft_head(model):
     assert model.lm_head.weight.data_ptr() == model.backbone.embed_tokens.weight.data_ptr()
     draft = build_draft(model, layers=[0, 2], trainable=["head"])
-    assert draft.lm_head.weight.requires_grad and not draft.backbone.embed_tokens.weight.requires_grad
-    assert draft.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
+    assert (
+        draft.model.lm_head.weight.requires_grad
+        and not draft.model.backbone.embed_tokens.weight.requires_grad
+    )
+    assert draft.model.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
 
 
 def test_bad_dirs_are_clear_errors(tiny_llasa_dir, tmp_path):  # noqa: F811
@@ -85,3 +88,25 @@ def test_bad_dirs_are_clear_errors(tiny_llasa_dir, tmp_path):  # noqa: F811
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model.safetensors.*missing keys: model.norm.weight"):
         LlasaLM.from_dir(bad)
+
+
+def test_training_logits_score_speech_and_end_after_the_chat_prompt(model):
+    """A LLaSA draft is trained like any target: the row is the chat prompt of the text (the same ids as
+    make_prompt builds) then the speech; only speech + <|SPEECH_GENERATION_END|> carry a loss."""
+    from ssd.contracts import IGNORE_INDEX
+
+    text_ids = torch.tensor(model.tokenizer("bin blue", add_special_tokens=False).input_ids)
+    prompt_ids = model.make_prompt(["bin blue"]).input_ids[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model.prefix_embeds(text_ids), model.backbone.embed_tokens(prompt_ids))
+    speech = torch.tensor([[3, 5, 7]])
+    logits, targets = model.training_logits(
+        text_ids[None], torch.tensor([len(text_ids)]), speech, torch.tensor([3])
+    )
+    n = len(prompt_ids)
+    assert logits.shape == (1, n + 3, model.vocab_size)
+    assert (targets[0, : n - 1] == IGNORE_INDEX).all()
+    assert targets[0, n - 1 :].tolist() == [3, 5, 7, model.eos_token]
+    # the logits are the cached forward's: the last prompt position predicts the first speech token
+    cache, first = model.prefill(model.make_prompt(["bin blue"]), 4)
+    torch.testing.assert_close(logits[0, n - 1], first[0], atol=1e-4, rtol=1e-4)

@@ -15,7 +15,7 @@ from ssd.models.draft import save_draft
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.decoding.interface import SpeechLM  # noqa: E402
+from ssd.contracts import SpeechLM  # noqa: E402
 from tests.fixtures_models import tiny_cosyvoice2_dir, tiny_llasa_dir  # noqa: E402,F401
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -53,33 +53,35 @@ def test_toy_target_and_draft_from_data_dir(tiny_cosyvoice2_dir, monkeypatch):  
     assert cfg.draft.checkpoint == str(data_dir / "toy" / "draft" / "draft.pt")
     trained = instantiate(cfg.draft, target=target, checkpoint=None)
     with torch.no_grad():
-        trained.llm_decoder.bias.add_(1.0)
+        trained.model.llm_decoder.bias.add_(1.0)
     save_draft(data_dir / "toy" / "draft" / "draft.pt", trained)
     draft = instantiate(cfg.draft, target=target)
-    assert draft.draft_recipe.layers == (0, 1, 3) and draft.draft_name == "toy"
-    torch.testing.assert_close(draft.llm_decoder.bias, trained.llm_decoder.bias)
+    assert draft.recipe.layers == (0, 1, 3) and draft.name == "toy"
+    torch.testing.assert_close(draft.model.llm_decoder.bias, trained.model.llm_decoder.bias)
     prompt = target.make_prompt(["bin blue at zero now"], ["lay green"], [[1, 2]])
     assert decode_a_few_tokens(target, prompt).shape == (1, 3)
     assert decode_a_few_tokens(draft, prompt).shape == (1, 3)
 
 
-def test_toy_stop_tokens_follow_its_speech_token_size():
-    cfg = compose_target_draft("toy", "toy")
-    s = cfg.target.speech_token_size
-    assert list(cfg.target.sampling.stop_tokens) == [s, s + 1, s + 2]
+def test_no_target_config_copies_the_models_stop_tokens():
+    """The sampling law's stop tokens come from the loaded model (runner and trainer pass them)."""
+    for name in ("cosyvoice2", "llasa", "toy"):
+        assert "stop_tokens" not in compose_target_draft(name, "toy").target.sampling
 
 
 @pytest.mark.parametrize("draft_name", ["ssd_8layer", "pcg_3layer"])
 def test_cosyvoice2_target_with_paper_drafts(tiny_cosyvoice2_dir, draft_name):  # noqa: F811
     cfg = compose_target_draft("cosyvoice2", draft_name, f"target.model.model_dir={tiny_cosyvoice2_dir}")
     target = instantiate(cfg.target.model)
-    assert list(cfg.target.sampling.stop_tokens) == [6561, 6562, 6563]
+    sampling = instantiate(cfg.target.sampling, stop_tokens=list(target.stop_tokens))
+    s = target.speech_token_size
+    assert sampling.stop_tokens == target.stop_tokens == (s, s + 1, s + 2)
     if draft_name == "ssd_8layer":  # the recipe names 24 target layers; the tiny target has 4
         with pytest.raises(InstantiationException, match=r"in \[0, 4\)"):
             instantiate(cfg.draft, target=target)
         return
     draft = instantiate(cfg.draft, target=target)
-    assert draft.draft_recipe.layers == (0, 1, 3)
+    assert draft.recipe.layers == (0, 1, 3)
     prompt = target.make_prompt(["set red"])
     assert decode_a_few_tokens(draft, prompt).shape == (1, 3)
 
@@ -92,9 +94,9 @@ def test_ssd_8layer_on_a_24_layer_target(tmp_path):
     cfg = compose_target_draft("cosyvoice2", "ssd_8layer", f"target.model.model_dir={model_dir}")
     target = instantiate(cfg.target.model)
     draft = instantiate(cfg.draft, target=target)
-    assert draft.draft_recipe.layers == (0, 1, 18, 19, 20, 21, 22, 23)
+    assert draft.recipe.layers == (0, 1, 18, 19, 20, 21, 22, 23)
     trainable = {
-        n.split(".")[0] + "." + n.split(".")[1] for n, p in draft.named_parameters() if p.requires_grad
+        n.split(".")[0] + "." + n.split(".")[1] for n, p in draft.model.named_parameters() if p.requires_grad
     }
     assert trainable == {"backbone.layers", "llm_decoder.weight", "llm_decoder.bias"}
     assert decode_a_few_tokens(draft, target.make_prompt(["set red"])).shape == (1, 3)
@@ -115,8 +117,8 @@ def test_sampling_configs_instantiate():
     pytest.importorskip("ssd.decoding.sampling")
     for name in ("cosyvoice2", "llasa", "toy"):
         cfg = compose_target_draft(name, "toy")
-        sampling = instantiate(cfg.target.sampling)
-        assert tuple(sampling.stop_tokens) == tuple(cfg.target.sampling.stop_tokens)
+        sampling = instantiate(cfg.target.sampling, stop_tokens=[7, 8])
+        assert sampling.stop_tokens == (7, 8)
 
 
 @pytest.mark.parametrize("target", ["cosyvoice2", "llasa"])

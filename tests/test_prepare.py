@@ -15,6 +15,7 @@ import pytest
 from test_cosyvoice_tokenizer import _write_model
 from test_libritts import write_utterance
 
+from ssd.config import option_node
 from ssd.data.prepare import SHARD_COLUMNS, prepare_corpus
 from ssd.models.text_tokenizer import write_word_tokenizer
 
@@ -43,8 +44,7 @@ def setup(tmp_path):
     tokenizer_dir = write_word_tokenizer(WORDS, tmp_path / "text_tok")
     kwargs = dict(
         text_tokenizer=tokenizer_dir,
-        speech_tokenizer="cosyvoice2",
-        speech_tokenizer_path=model,
+        speech_tokenizer=option_node("speech_tokenizer", "cosyvoice2", path=str(model)),
         shard_size=2,
         num_workers=0,
         max_text_tokens=10,
@@ -129,10 +129,14 @@ def test_unreadable_audio_is_counted_and_skipped(setup):
 
 def test_bad_arguments_are_named(setup, tmp_path):
     corpus, out, kwargs = setup
-    with pytest.raises(ValueError, match="unknown speech tokenizer kind 'whisper'"):
-        prepare_corpus(corpus, out, **{**kwargs, "speech_tokenizer": "whisper"})
-    with pytest.raises(FileNotFoundError, match="speech tokenizer .cosyvoice2. not found"):
-        prepare_corpus(corpus, out, **{**kwargs, "speech_tokenizer_path": tmp_path / "nope.onnx"})
+    with pytest.raises(ValueError, match="unknown speech_tokenizer 'whisper': choose one of"):
+        option_node("speech_tokenizer", "whisper", path="x")
+    missing = option_node("speech_tokenizer", "cosyvoice2", path=str(tmp_path / "nope.onnx"))
+    with pytest.raises(
+        FileNotFoundError,
+        match="CosyVoiceSpeechTokenizer.load not found at speech_tokenizer.path=.*nope.onnx",
+    ):
+        prepare_corpus(corpus, out, **{**kwargs, "speech_tokenizer": missing})
     with pytest.raises(FileNotFoundError, match="text tokenizer directory"):
         prepare_corpus(corpus, out, **{**kwargs, "text_tokenizer": tmp_path / "no_tok"})
 
@@ -153,7 +157,12 @@ def test_toy_codec_kind(setup, tmp_path):
     }
     toy_codec.ToyCodec.fit(wavs, cfg, seed=0, progress=False).save(tmp_path / "codec")
     report = prepare_corpus(
-        corpus, out, **{**kwargs, "speech_tokenizer": "toy", "speech_tokenizer_path": tmp_path / "codec"}
+        corpus,
+        out,
+        **{
+            **kwargs,
+            "speech_tokenizer": option_node("speech_tokenizer", "toy", path=str(tmp_path / "codec")),
+        },
     )
     # The toy codec has no 30 s limit: the 31 s utterance is kept.
     assert report.n_kept == 7 and "audio longer than the speech tokenizer's 30 s" not in report.dropped
@@ -175,7 +184,7 @@ def test_command_line(setup, capsys):
         [
             sys.executable, script, "tokens", str(corpus), str(out),
             "--text-tokenizer", str(kwargs["text_tokenizer"]),
-            "--speech-tokenizer", "cosyvoice2", "--speech-tokenizer-path", str(kwargs["speech_tokenizer_path"]),
+            "--speech-tokenizer", "cosyvoice2", "--speech-tokenizer-path", kwargs["speech_tokenizer"]["path"],
             "--num-workers", "0", "--shard-size", "2", "--max-text-tokens", "10", "--no-progress",
         ],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},

@@ -9,6 +9,7 @@ import pytest
 import soundfile as sf
 from omegaconf import OmegaConf
 
+from ssd.config import MAX_DIRNAME, job_dirname
 from ssd.evaluation import runner
 from ssd.evaluation.metrics import bootstrap_ci, summarize
 from ssd.evaluation.runner import (
@@ -17,7 +18,6 @@ from ssd.evaluation.runner import (
     RESULTS_FILE,
     TEST_LIST_FILE,
     evaluate,
-    job_dirname,
     read_records,
     utterance_seed,
     wandb_settings,
@@ -58,7 +58,7 @@ def test_job_dirname_is_path_safe_and_bounded():
     assert job_dirname("beta=0,draft_len=2") == "beta=0,draft_len=2"
     assert "/" not in job_dirname("eval.corpus_root=/a/b,beta=0")
     long = ",".join(f"key{i}=value{i}" for i in range(40))
-    assert len(job_dirname(long)) <= runner.MAX_DIRNAME
+    assert len(job_dirname(long)) <= MAX_DIRNAME
     assert job_dirname(long) == job_dirname(long) != job_dirname(long + "x")
 
 
@@ -188,10 +188,41 @@ def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):  # noqa:
         evaluate(cfg, tmp_path / "run")
 
 
-def test_mismatched_stop_tokens_are_named(micro_world, tmp_path, no_decoding):  # noqa: F811
-    cfg = _cfg(micro_world, "target.sampling.stop_tokens=[1024,1025,1026]")
-    with pytest.raises(ValueError, match="target.sampling.stop_tokens"):
-        evaluate(cfg, tmp_path / "run")
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("draft_len=0", "draft_len=0 must be >= 1"),
+        ("eval.max_len=-5", "eval.max_len=-5 must be >= 1 or null"),
+        ("beta=-0.1", "beta=-0.1 must be >= 0"),
+        ("theta=1.5", r"theta=1.5 must lie in \(-1, 1\)"),
+        (
+            "decoding.adaptive.enabled=true decoding.adaptive.min_len=5 decoding.adaptive.max_len=2",
+            "min_len=5 and max_len=2",
+        ),
+        ("eval.n_utts=0", "eval.n_utts=0 must be >= 1"),
+    ],
+)
+def test_out_of_range_settings_are_named_before_any_model_loads(
+    micro_world,  # noqa: F811
+    tmp_path,
+    no_decoding,
+    override,
+    message,
+):
+    runner._LOADED.clear()
+    with pytest.raises(ValueError, match=message):
+        evaluate(_cfg(micro_world, *override.split()), tmp_path / "run")
+    assert not runner._LOADED  # nothing was loaded
+    assert not (tmp_path / "run" / RESULTS_FILE).exists()
+
+
+def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):  # noqa: F811
+    models = runner.load_models(_cfg(micro_world))
+    assert (
+        models.sampling.stop_tokens
+        == models.target.stop_tokens
+        == (micro_world.codebook, micro_world.codebook + 1, micro_world.codebook + 2)
+    )
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from engine_models import trigram_pair
 from scipy.stats import chisquare
 
 import ssd.decoding.generate as generate
-from ssd.decoding.acceptance import ExactRule, TargetOnlyRule, ToleranceRule, make_rule
+from ssd.decoding.acceptance import ExactRule, GreedyRule, TargetOnlyRule, ToleranceRule
 from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig, distribution
 
@@ -188,13 +188,13 @@ GREEDY = SamplingConfig(temperature=0, stop_tokens=(EOS,))
 
 
 @pytest.mark.parametrize("draft_len", [1, 2, 4, 7])
-@pytest.mark.parametrize("rule", ["greedy", "exact"])
+@pytest.mark.parametrize("rule", [GreedyRule, ExactRule])
 def test_greedy_speculative_equals_greedy_ar(draft_len, rule):
     target, draft = trigram_pair(VOCAB, seed=9, draft_noise=2.0)
     prompts = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
     ar = decode_ar(target, prompts, GREEDY, max_len=30, min_len=3)
     spec = decode_speculative(
-        target, draft, prompts, GREEDY, make_rule(rule), draft_len=draft_len, max_len=30, min_len=3
+        target, draft, prompts, GREEDY, rule(), draft_len=draft_len, max_len=30, min_len=3
     )
     assert spec.tokens == ar.tokens
     assert spec.finish_reason == ar.finish_reason
@@ -204,10 +204,10 @@ def test_greedy_speculative_equals_greedy_ar(draft_len, rule):
 def test_rows_in_a_batch_decode_as_if_alone():
     target, draft = trigram_pair(VOCAB, seed=4, draft_noise=2.0)
     prompts = torch.tensor([[0, 1], [2, 2], [3, 0], [1, 1]])
-    batch = decode_speculative(target, draft, prompts, GREEDY, make_rule("greedy"), draft_len=3, max_len=25)
+    batch = decode_speculative(target, draft, prompts, GREEDY, GreedyRule(), draft_len=3, max_len=25)
     for i in range(len(prompts)):
         alone = decode_speculative(
-            target, draft, prompts[i : i + 1], GREEDY, make_rule("greedy"), draft_len=3, max_len=25
+            target, draft, prompts[i : i + 1], GREEDY, GreedyRule(), draft_len=3, max_len=25
         )
         assert alone.tokens[0] == batch.tokens[i]
 

@@ -28,7 +28,7 @@ from tests.fixtures_eval import (  # noqa: F401
 
 def test_the_users_sweep_keys_are_top_level():
     cfg = compose_sweep_config(["beta=0.2", "draft_len=4", "theta=0.3"])
-    assert cfg.acceptance.name == "tolerance" and cfg.acceptance.beta == 0.2
+    assert cfg.acceptance._target_ == "ssd.decoding.acceptance.ToleranceRule" and cfg.acceptance.beta == 0.2
     assert cfg.decoding.mode == "speculative" and cfg.decoding.draft_len == 4
     assert compose_sweep_config(["acceptance=pcg", "theta=0.3"]).acceptance.theta == 0.3
     assert compose_sweep_config(["decoding=ar"]).decoding.mode == "ar"
@@ -87,7 +87,7 @@ def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     failed, ok = sweep_dir / "beta=-1,draft_len=2", sweep_dir / "beta=0.4,draft_len=2"
     error = json.loads((failed / ERROR_FILE).read_text())
-    assert "beta must be >= 0" in error["error"] and not (failed / METRICS_FILE).exists()
+    assert "beta=-1.0 must be >= 0" in error["error"] and not (failed / METRICS_FILE).exists()
     assert "sweep continues" in out.stderr + out.stdout
     assert len(read_records(ok / RESULTS_FILE)) == 2
     assert json.loads((ok / METRICS_FILE).read_text())["beta"] == 0.4
@@ -95,6 +95,28 @@ def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_pat
     assert offline_runs, sorted(p.name for p in ok.rglob("*"))[:30]
     table = (sweep_dir / "table.md").read_text()
     assert "beta=0.4,draft_len=2" in table and "Failed jobs" in table and "beta=-1,draft_len=2" in table
+
+
+def test_a_rule_from_a_users_own_module_runs_through_a_sweep(micro_world, tmp_path):  # noqa: F811
+    """tests/plugin_rule.py lies outside the package and speaks only ssd.contracts.AcceptanceRule: one
+    `_target_` override plugs it in, its own parameter labels the runs and the table."""
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=15)
+    sweep_dir = tmp_path / "sweep"
+    out = run_sweep(["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
+                     "acceptance=exact", "acceptance._target_=tests.plugin_rule.ThresholdRule",
+                     "+acceptance.gamma=0.01,0.5", f"hydra.sweep.dir={sweep_dir}"])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = {}
+    for job in _job_dirs(sweep_dir):
+        m = json.loads((job / METRICS_FILE).read_text())
+        metrics[m["gamma"]] = m
+        assert m["acceptance"] == "threshold" and "gamma" in m["setting_keys"]
+        assert len(read_records(job / RESULTS_FILE)) == 2
+    assert sorted(metrics) == [0.01, 0.5]
+    # a looser threshold accepts more: the rule's own law reached the engine
+    assert metrics[0.01]["acceptance_rate"] > metrics[0.5]["acceptance_rate"]
+    header = (sweep_dir / "table.md").read_text().splitlines()[0]
+    assert "gamma" in header
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.decoding.acceptance import make_rule
+from ssd.decoding.acceptance import ExactRule
 from ssd.decoding.generate import decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig
 from ssd.models.cosyvoice2 import CosyVoice2LM
@@ -82,7 +82,7 @@ def test_trained_target_and_draft_load_and_generate(micro_world):
         draft,
         prompt,
         sampling,
-        make_rule("exact"),
+        ExactRule(),
         draft_len=3,
         max_len=max_len,
         min_len=min_len,

@@ -14,7 +14,7 @@ import torch
 
 from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.draft import load_draft
-from tests.test_training import STOP_TOKENS, micro_world  # noqa: F401  (session fixture)
+from tests.test_training import micro_world  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,6 @@ def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.Comp
 def _world_overrides(world, run_dir: Path) -> list[str]:
     return [
         f"target.model.model_dir={world['target']}",
-        f"target.sampling.stop_tokens={STOP_TOKENS}",
         f"data.shard_dirs={world['shards']}",
         "data.max_tokens=200",
         f"hydra.run.dir={run_dir}",

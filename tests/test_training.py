@@ -27,7 +27,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-STOP_TOKENS = f"[{TINY_SPEECH_TOKENS},{TINY_SPEECH_TOKENS + 1},{TINY_SPEECH_TOKENS + 2}]"
 
 
 def write_micro_shards(out_dir: Path, n_utts: int = 64, seed: int = 0) -> Path:
@@ -65,7 +64,6 @@ def compose_train_config(world: dict[str, Path], output_dir: Path, *overrides: s
     register_schema()
     base = [
         f"target.model.model_dir={world['target']}",
-        f"target.sampling.stop_tokens={STOP_TOKENS}",
         f"data.shard_dirs={world['shards']}",
         "data.max_tokens=200",
         f"output_dir={output_dir}",
@@ -105,9 +103,9 @@ class _ModeProbe(L.Callback):
         self.modes = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        layers = module.model.backbone.layers
-        self.modes.append((layers[0].training, layers[1].training, module.model.speech_embedding.training,
-                           module.model.llm_decoder.training, module.teacher.training))  # fmt: skip
+        layers = module.model.model.backbone.layers
+        self.modes.append((layers[0].training, layers[1].training, module.model.model.speech_embedding.training,
+                           module.model.model.llm_decoder.training, module.teacher.training))  # fmt: skip
 
 
 def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(micro_world):
@@ -175,7 +173,7 @@ def test_sampling_context_gives_each_position_its_teacher_forced_window():
         "speech_lens": torch.tensor([3, 1]),
         "text_lens": torch.tensor([2, 4]),
     }
-    windows, steps, min_len = SpeechLMTrainingModule.sampling_context(batch, window_size=2)
+    windows, steps, min_len = SpeechLMTrainingModule.sampling_context(batch, 2, torch.tensor([4, 8]))
     # row 0 scores 4 positions (3 tokens + EOS), row 1 scores 2, in row-major order
     assert windows.tolist() == [[-1, -1], [-1, 5], [5, 6], [6, 7], [-1, -1], [-1, 8]]
     assert steps.tolist() == [0, 1, 2, 3, 0, 1]
@@ -184,7 +182,7 @@ def test_sampling_context_gives_each_position_its_teacher_forced_window():
 
 def test_sampling_stop_tokens_must_fit_the_head(micro_world):
     target = CosyVoice2LM.from_dir(micro_world["target"])
-    with pytest.raises(ValueError, match="target.sampling.stop_tokens"):
+    with pytest.raises(ValueError, match="do not fit the model's head.*the target's own stop_tokens"):
         SpeechLMTrainingModule(_draft(target), target, agreement_sampling=SamplingConfig(stop_tokens=(1024,)))
 
 

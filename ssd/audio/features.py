@@ -9,13 +9,11 @@ clamped to 8 (i.e. 80 dB) below the maximum, then (x + 4) / 4.
 from __future__ import annotations
 
 from functools import lru_cache
-from math import gcd
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 import torch
-from scipy.signal import resample_poly
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -99,16 +97,27 @@ def whisper_log_mel(audio: np.ndarray | torch.Tensor, n_mels: int = N_MELS) -> t
 
 
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
-    """Polyphase resampling (scipy's `resample_poly`) of mono float audio; float32 out."""
-    wav = np.asarray(wav, dtype=np.float32)
+    """The project's one resampler (tokenizers, judges, vocoders): mono float audio at `orig_sr` ->
+    contiguous float32 at `target_sr`, by soxr (band-limited, high quality)."""
+    wav = np.asarray(wav)
     if wav.ndim != 1:
-        raise ValueError(f"resample expects mono audio of shape [samples], got shape {wav.shape}")
-    if orig_sr <= 0 or target_sr <= 0:
+        raise ValueError(
+            f"expected a mono 1-D waveform, got shape {wav.shape}; average or pick a channel first"
+        )
+    if not np.issubdtype(wav.dtype, np.floating):
+        raise ValueError(
+            f"expected a float waveform in [-1, 1], got dtype {wav.dtype}; divide int16 by 32768"
+        )
+    if int(orig_sr) <= 0 or int(target_sr) <= 0:
         raise ValueError(f"sample rates must be positive, got orig_sr={orig_sr}, target_sr={target_sr}")
-    if orig_sr == target_sr:
-        return wav
-    common = gcd(int(orig_sr), int(target_sr))
-    return resample_poly(wav, target_sr // common, orig_sr // common).astype(np.float32)
+    if not np.all(np.isfinite(wav)):
+        raise ValueError("waveform contains NaN or inf samples")
+    wav = wav.astype(np.float32, copy=False)
+    if int(orig_sr) != int(target_sr) and wav.size:
+        import soxr
+
+        wav = soxr.resample(wav, int(orig_sr), int(target_sr))
+    return np.ascontiguousarray(wav, dtype=np.float32)
 
 
 def load_audio(path: str | Path, target_sr: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int]:

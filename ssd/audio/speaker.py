@@ -3,27 +3,21 @@
 Backends: resemblyzer (weights ship in its wheel; the toy default), CAM++ from CosyVoice 2's
 `campplus.onnx` through onnxruntime on the same Kaldi fbank CosyVoice's frontend computes, and a WavLM
 x-vector from a local transformers directory. Audio is resampled to 16 kHz for every backend.
-`load_speaker_model(cfg)` checks paths before importing anything heavy, so a runner fails fast.
+Each backend is a Hydra `_target_` (configs/sim/); its constructor checks paths before importing anything heavy.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 
-from ssd.audio.asr import as_plain_dict, to_mono_16k
 from ssd.audio.fbank import kaldi_fbank
+from ssd.audio.features import resample
 
 SPEAKER_SAMPLE_RATE = 16_000
-
-
-class SpeakerBackend(Protocol):
-    def embed(self, wav: np.ndarray, sr: int) -> np.ndarray: ...
 
 
 def _unit(vector: np.ndarray, what: str) -> np.ndarray:
@@ -45,7 +39,7 @@ def similarity(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _speech_16k(wav: np.ndarray, sr: int, min_seconds: float, backend: str) -> np.ndarray:
-    audio = to_mono_16k(wav, sr)
+    audio = resample(wav, sr, SPEAKER_SAMPLE_RATE)
     if audio.size < min_seconds * SPEAKER_SAMPLE_RATE:
         raise ValueError(
             f"{backend}: audio is {audio.size / SPEAKER_SAMPLE_RATE:.3f} s long; need at least {min_seconds} s"
@@ -81,7 +75,7 @@ class CamPlusSpeaker:
     """CAM++ (`campplus.onnx` from the CosyVoice 2 model dir): mean-normalised 80-bin Kaldi fbank -> 192-d."""
 
     def __init__(self, onnx_path: str | os.PathLike, num_threads: int = 1) -> None:
-        onnx_path = Path(onnx_path)
+        onnx_path = Path(str(onnx_path))  # None (unset) reads as a missing file
         if not onnx_path.is_file():
             raise FileNotFoundError(
                 f"CAM++ onnx_path={onnx_path}: no such file (campplus.onnx of CosyVoice 2)"
@@ -112,7 +106,7 @@ class WavLMSpeaker:
     """WavLM x-vector head (`WavLMForXVector`, e.g. microsoft/wavlm-base-plus-sv) from a local directory."""
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "cpu") -> None:
-        model_dir = Path(model_dir)
+        model_dir = Path(str(model_dir))  # None (unset) reads as a missing dir
         for name in ("config.json", "preprocessor_config.json"):
             if not (model_dir / name).is_file():
                 raise FileNotFoundError(
@@ -134,30 +128,3 @@ class WavLMSpeaker:
         with self._torch.inference_mode():
             output = self.model(**{k: v.to(self.device) for k, v in inputs.items()})
         return _unit(output.embeddings[0].float().cpu().numpy(), "WavLM")
-
-
-_SPEAKER_KEYS = {
-    "resemblyzer": {"device"},
-    "campplus": {"onnx_path", "num_threads"},
-    "wavlm": {"model_dir", "device"},
-}
-
-
-def load_speaker_model(cfg: Mapping[str, Any]) -> SpeakerBackend:
-    """Build the speaker backend a config names: `{backend: resemblyzer|campplus|wavlm, ...}`.
-
-    A missing model path raises FileNotFoundError naming the key, before any model loads.
-    """
-    cfg = as_plain_dict(cfg)
-    backend = cfg.pop("backend", None)
-    if backend not in _SPEAKER_KEYS:
-        raise ValueError(f"sim.backend must be one of {sorted(_SPEAKER_KEYS)}, got {backend!r}")
-    unknown = set(cfg) - _SPEAKER_KEYS[backend]
-    if unknown:
-        raise ValueError(f"sim config for backend {backend!r} has unknown keys {sorted(unknown)}")
-    if backend == "resemblyzer":
-        return ResemblyzerSpeaker(**cfg)
-    required = "onnx_path" if backend == "campplus" else "model_dir"
-    if cfg.get(required) is None:
-        raise ValueError(f"sim.{required} is not set for backend {backend!r}")
-    return CamPlusSpeaker(**cfg) if backend == "campplus" else WavLMSpeaker(**cfg)

@@ -22,12 +22,12 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -36,9 +36,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ssd.audio.features import load_audio
+from ssd.contracts import SpeechTokenizer
 from ssd.data.libritts import save_table, scan_libritts
 
-SPEECH_TOKENIZER_KINDS = ("cosyvoice2", "toy")
 SHARD_SCHEMA = pa.schema(
     [
         ("utt", pa.string()),
@@ -54,32 +54,16 @@ SHARD_COLUMNS = SHARD_SCHEMA.names
 FAILED_KEY = b"ssd.failed"  # parquet metadata: utterances whose audio could not be decoded
 
 
-class SpeechTokenizer(Protocol):
-    """What preparation needs from a speech tokenizer (the toy codec and CosyVoice 2's ONNX model)."""
+def load_speech_tokenizer(node: Mapping[str, Any]) -> SpeechTokenizer:
+    """A speech tokenizer from its config node (configs/speech_tokenizer/: `_target_` + `path`)."""
+    from hydra.utils import instantiate
 
-    token_rate: int
-
-    def encode(self, wav: np.ndarray, sr: int) -> np.ndarray: ...
-
-
-def speech_tokenizer_class(kind: str) -> type:
-    """The class behind a speech-tokenizer kind; each has `load(path)` and `encode(wav, sr)`."""
-    if kind == "cosyvoice2":
-        from ssd.audio.cosyvoice_tokenizer import CosyVoiceSpeechTokenizer
-
-        return CosyVoiceSpeechTokenizer
-    if kind == "toy":
-        from ssd.audio.toy_codec import ToyCodec
-
-        return ToyCodec
-    raise ValueError(f"unknown speech tokenizer kind {kind!r}; choose one of {list(SPEECH_TOKENIZER_KINDS)}")
-
-
-def load_speech_tokenizer(kind: str, path: str | Path) -> SpeechTokenizer:
-    """Load a speech tokenizer: "cosyvoice2" from speech_tokenizer_v2.onnx (or its model dir), "toy" from a codec dir."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"speech tokenizer ({kind}) not found at {path}")
-    return speech_tokenizer_class(kind).load(path)
+    path = node.get("path")
+    if path is None or not Path(str(path)).exists():
+        raise FileNotFoundError(
+            f"speech tokenizer {node.get('_target_')} not found at speech_tokenizer.path={path}"
+        )
+    return instantiate(dict(node))
 
 
 @dataclass
@@ -141,12 +125,12 @@ def _tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 _worker_tokenizer: SpeechTokenizer | None = None
 
 
-def _init_worker(kind: str, path: str) -> None:
+def _init_worker(node: dict) -> None:
     global _worker_tokenizer
     import torch
 
     torch.set_num_threads(1)  # parallelism comes from the processes
-    _worker_tokenizer = load_speech_tokenizer(kind, path)
+    _worker_tokenizer = load_speech_tokenizer(node)
 
 
 def _write_shard(path: Path, rows: list[dict], tokenizer: SpeechTokenizer) -> tuple[int, int, list[str]]:
@@ -229,8 +213,7 @@ def prepare_corpus(
     out_dir: str | Path,
     *,
     text_tokenizer: str | Path | Any,
-    speech_tokenizer: str,
-    speech_tokenizer_path: str | Path,
+    speech_tokenizer: Mapping[str, Any],
     subsets: Iterable[str] | None = None,
     shard_size: int = 1000,
     num_workers: int = 2,
@@ -245,8 +228,8 @@ def prepare_corpus(
 
     text_tokenizer: a tokenizer directory (loaded with `ssd.models.text_tokenizer.load_text_tokenizer`) or
         a loaded HF tokenizer; used as `tok(texts, add_special_tokens=False).input_ids`.
-    speech_tokenizer: "cosyvoice2" (speech_tokenizer_path = speech_tokenizer_v2.onnx or the model dir) or
-        "toy" (speech_tokenizer_path = the toy codec's directory).
+    speech_tokenizer: its config node, `{_target_, path}` (configs/speech_tokenizer/; resolved, plain); each
+        worker builds its own from it.
     num_workers: speech-tokenizer processes (each loads the tokenizer once); 0 tokenizes in this process.
     log: prints the drop table and the summary (None: silent).
     Unreadable audio is skipped and listed in the report, never fatal.
@@ -255,9 +238,8 @@ def prepare_corpus(
     out_dir = Path(out_dir)
     if shard_size < 1 or num_workers < 0:
         raise ValueError(f"shard_size must be >= 1 and num_workers >= 0, got {shard_size}, {num_workers}")
-    tokenizer_cls = speech_tokenizer_class(speech_tokenizer)
-    if not Path(speech_tokenizer_path).exists():
-        raise FileNotFoundError(f"speech tokenizer ({speech_tokenizer}) not found at {speech_tokenizer_path}")
+    speech_tokenizer = {**speech_tokenizer, "path": str(Path(str(speech_tokenizer.get("path"))).resolve())}
+    tokenizer = load_speech_tokenizer(speech_tokenizer)  # here too: a wrong path fails before any work
     if isinstance(text_tokenizer, str | Path):
         from ssd.models.text_tokenizer import load_text_tokenizer
 
@@ -274,15 +256,15 @@ def prepare_corpus(
         max_sec,
         min_text_tokens,
         max_text_tokens,
-        getattr(tokenizer_cls, "max_seconds", None),
+        getattr(tokenizer, "max_seconds", None),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
         "corpus_root": str(Path(corpus_root).resolve()),
         "subsets": sorted(manifest["subset"].unique().tolist()),
         "text_tokenizer": _describe_tokenizer(text_tokenizer),
-        "speech_tokenizer": speech_tokenizer,
-        "speech_tokenizer_path": str(Path(speech_tokenizer_path).resolve()),
+        "speech_tokenizer": speech_tokenizer["_target_"],
+        "speech_tokenizer_path": speech_tokenizer["path"],
         "filters": {
             "min_sec": min_sec,
             "max_sec": max_sec,
@@ -331,7 +313,6 @@ def prepare_corpus(
     )
     results: Iterable[tuple[int, int, list[str]]]
     if num_workers == 0 or not pending:
-        tokenizer = tokenizer_cls.load(speech_tokenizer_path) if pending else None
         results = (_write_shard(path, rows, tokenizer) for path, rows in pending)
         executor = None
     else:
@@ -339,7 +320,7 @@ def prepare_corpus(
             max_workers=min(num_workers, len(pending)),
             mp_context=get_context("spawn"),  # fork after torch/onnxruntime threads start can deadlock
             initializer=_init_worker,
-            initargs=(speech_tokenizer, str(speech_tokenizer_path)),
+            initargs=(speech_tokenizer,),
         )
         results = executor.map(_worker_write_shard, pending)
     try:

@@ -9,6 +9,10 @@ and the analytic certificate (`output_law`):
     accept_prob(p, q, x) -> probability of keeping draft token x
     residual(p, q, x)    -> law of the replacement when x is rejected
 PCG works on groups of tokens and overrides `verify` and adds `group_law`.
+
+A rule is a Hydra `_target_` node (configs/acceptance/): a rule class of any module plugs in with
+`acceptance._target_=my_module.MyRule` when it speaks `ssd.contracts.AcceptanceRule`. It names the
+parameters that label its runs in `label_params`, and takes what it needs from the target in `bind`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ class AcceptanceRule:
     name = "base"
     exact = False  # True when the token-level output law equals q
     residual_depends_on_draft_token = False
+    label_params: tuple[str, ...] = ()  # attributes that identify a run of the rule (tables, run labels)
+
+    def labels(self) -> dict[str, float]:
+        return {key: getattr(self, key) for key in self.label_params}
+
+    def bind(self, target) -> AcceptanceRule:
+        """Take what the rule needs from the target (see PCGRule); most rules need nothing."""
+        return self
 
     @property
     def cheap_output_law(self) -> bool:
@@ -116,6 +128,7 @@ class ToleranceRule(ExactRule):
     """SSD (Lin et al. 2025): accept if r < min(1, q/p) + β. β = 0 is ExactRule."""
 
     name = "tolerance"
+    label_params = ("beta",)
 
     def __init__(self, beta: float = 0.4):
         if beta < 0:
@@ -171,6 +184,7 @@ class TypicalRule(AcceptanceRule):
     """
 
     name = "typical"
+    label_params = ("epsilon", "delta")
 
     def __init__(self, epsilon: float = 0.09, delta: float = 0.3):
         self.epsilon, self.delta = float(epsilon), float(delta)
@@ -195,6 +209,7 @@ class SyntheticRule(AcceptanceRule):
     """
 
     name = "synthetic"
+    label_params = ("alpha",)
 
     def __init__(self, alpha: float = 0.8):
         if not 0 <= alpha <= 1:
@@ -228,12 +243,29 @@ class PCGRule(AcceptanceRule):
     name = "pcg"
     exact = False
     cheap_output_law = False  # needs a dense [groups, tokens] matrix
+    label_params = ("theta",)
 
-    def __init__(self, embeddings: torch.Tensor, theta: float = 0.4, max_thinning_trials: int = 8):
+    def __init__(
+        self, embeddings: torch.Tensor | None = None, theta: float = 0.4, max_thinning_trials: int = 8
+    ):
+        """embeddings [V, H]: the vectors the groups are built from; None = the target's speech-token input
+        embeddings, taken in `bind(target)` (the paper's choice)."""
         self.theta = float(theta)
         self.max_thinning_trials = int(max_thinning_trials)
+        if embeddings is not None:
+            self._set_groups(embeddings)
+
+    def _set_groups(self, embeddings: torch.Tensor) -> None:
         self.neighbors, self.neighbor_mask = similarity_groups(embeddings, self.theta)
         self.group_size = self.neighbor_mask.sum(-1)  # m(u) = |G_u|
+
+    def bind(self, target) -> PCGRule:
+        if not hasattr(self, "neighbors"):
+            with torch.no_grad():
+                self._set_groups(
+                    target.embed_speech(torch.arange(target.vocab_size, device=target.device)).float()
+                )
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -348,6 +380,8 @@ class PCGRule(AcceptanceRule):
         return dense
 
     def __repr__(self):
+        if not hasattr(self, "neighbors"):
+            return f"PCGRule(theta={self.theta}, groups not built yet: bind(target))"
         return f"PCGRule(theta={self.theta}, vocab={self.vocab_size}, mean_group={self.group_size.float().mean():.1f})"
 
 
@@ -369,18 +403,3 @@ def similarity_groups(embeddings: torch.Tensor, theta: float, chunk: int = 2048)
     for v, ids in enumerate(lists):
         neighbors[v, : len(ids)], mask[v, : len(ids)] = ids, True
     return neighbors, mask
-
-
-RULES = {
-    cls.name: cls
-    for cls in (ExactRule, ToleranceRule, GreedyRule, TargetOnlyRule, TypicalRule, SyntheticRule)
-}
-
-
-def make_rule(name: str, **kwargs) -> AcceptanceRule:
-    """Build a rule by name ('pcg' needs embeddings=...)."""
-    if name == "pcg":
-        return PCGRule(**kwargs)
-    if name not in RULES:
-        raise ValueError(f"unknown acceptance rule {name!r}; choose one of {sorted([*RULES, 'pcg'])}")
-    return RULES[name](**kwargs)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssd.contracts import SpeechLM
 from ssd.decoding.acceptance import AcceptanceRule
-from ssd.decoding.interface import SpeechLM
 from ssd.decoding.sampling import SamplingConfig, distribution, sample
 
 
@@ -269,7 +269,7 @@ def decode_speculative(
               `scripts/bench_decoding.py --verify-rows 8` measures whether it pays on yours.
     """
     draft_sampling = draft_sampling or sampling
-    track_tv = (not rule.exact and rule.cheap_output_law) if track_tv is None else track_tv
+    track_tv = (not rule.exact and getattr(rule, "cheap_output_law", False)) if track_tv is None else track_tv
     stats = DecodeStats()
     k_max = adaptive.max_len if adaptive else draft_len
     # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.

@@ -35,7 +35,9 @@ import soundfile as sf
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ssd.config import register
 from ssd.evaluation.metrics import summarize
+from ssd.evaluation.schema import validate_sweep_config
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +47,15 @@ TEST_LIST_FILE = "test_list.jsonl"
 CONFIG_FILE = "config.yaml"
 ERROR_FILE = "error.json"
 AUDIO_DIR = "audio"
-DECODING_MODES = ("speculative", "ar", "draft_only")
 # Keys that do not change what a run computes: a resumed run may differ in them.
 NON_RESULT_KEYS = ("logger", "baseline_dir", "progress", "output_dir")
 WARMUP_TOKENS = 16
 
 _LOADED: dict[str, tuple[str, Any]] = {}  # kind -> (config key, model): a sweep's jobs share models
-MAX_DIRNAME = 120
 
-
-def job_dirname(override_dirname: str) -> str:
-    """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
-    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
-    name = override_dirname.replace("/", "_") or "default"
-    if len(name) <= MAX_DIRNAME:
-        return name
-    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
-
-
-# configs/hydra/default.yaml names job dirs with it; registered on import, i.e. in every process that
-# runs a job (sweep.py imports this module; joblib/submitit workers import it to unpickle the task).
-if not OmegaConf.has_resolver("ssd.job_dirname"):
-    OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
-
+# The configs' resolvers and schemas, in every process that runs a job (sweep.py imports this module;
+# joblib/submitit workers import it to unpickle the task).
+register()
 
 # --------------------------------------------------------------------------------------------------
 # Small pieces
@@ -241,20 +229,15 @@ class EvalModels:
 
 
 def load_models(cfg: DictConfig) -> EvalModels:
-    """Judges first (their paths are the likeliest to be wrong), then the LM side; every check before decoding."""
-    from hydra.utils import instantiate
-
-    from ssd.audio.asr import load_asr
-    from ssd.audio.speaker import load_speaker_model
-    from ssd.audio.vocoder import load_vocoder
+    """The rule first (cheap, and its parameters are the likeliest to be wrong), then the judges, then the
+    LM side and the codec; every check before decoding. Each part is its config group's `_target_`."""
     from ssd.data.prepare import load_speech_tokenizer
 
     mode = cfg.decoding.mode
-    if mode not in DECODING_MODES:
-        raise ValueError(f"decoding.mode must be one of {DECODING_MODES}, got {mode!r}")
+    rule = _instantiate(cfg.acceptance, "acceptance") if mode == "speculative" else None
     language = None
     if cfg.eval.get("language") == "grid":
-        from ssd.data.grid_language import GridLanguage
+        from ssd.toy_world.language import GridLanguage
 
         slots_file = Path(str(cfg.eval.corpus_root)) / "language.json"  # the toy world records its language
         slots = cfg.eval.get("slots")
@@ -264,36 +247,33 @@ def load_models(cfg: DictConfig) -> EvalModels:
     elif cfg.eval.get("language") is not None:
         raise ValueError(f"eval.language must be null or 'grid', got {cfg.eval.language!r}")
     slots = list(language.slots.values()) if language else None
-    asr = _cached("asr", {"asr": cfg.asr, "slots": slots}, lambda: load_asr(cfg.asr, closed_vocabulary=slots))
-    speaker = _cached("sim", cfg.sim, lambda: load_speaker_model(cfg.sim))
-    tok_cfg = cfg.speech_tokenizer
-    speech_tokenizer = _cached("tok", tok_cfg, lambda: load_speech_tokenizer(tok_cfg.kind, tok_cfg.path))
-    vocoder = _cached("vocoder", cfg.vocoder, lambda: load_vocoder(cfg.vocoder))
+    asr = _cached(
+        "asr", {"asr": cfg.asr, "slots": slots}, lambda: _instantiate(cfg.asr, "asr", closed_vocabulary=slots)
+    )
+    speaker = _cached("sim", cfg.sim, lambda: _instantiate(cfg.sim, "sim"))
     target = _cached("target", cfg.target.model, lambda: _instantiate(cfg.target.model, "target.model"))
-    sampling = instantiate(cfg.target.sampling)
+    sampling = _instantiate(cfg.target.sampling, "target.sampling", stop_tokens=list(target.stop_tokens))
+    for key in ("speech_tokenizer", "vocoder"):
+        if cfg.get(key) is None:
+            raise ValueError(
+                f"{key} is not set and target={cfg.target.name} brings none: choose one ({key}=...)"
+            )
+    speech_tokenizer = _cached(
+        "tok", cfg.speech_tokenizer, lambda: load_speech_tokenizer(cfg.speech_tokenizer)
+    )
+    vocoder = _cached("vocoder", cfg.vocoder, lambda: _instantiate(cfg.vocoder, "vocoder"))
     codebook = getattr(speech_tokenizer, "codebook_size", None)
     if codebook is not None and codebook != target.speech_token_size:
         raise ValueError(
-            f"speech tokenizer at speech_tokenizer.path={tok_cfg.path} has {codebook} tokens but the target "
-            f"({cfg.target.name}) has speech_token_size={target.speech_token_size}: they must be one vocabulary"
+            f"speech tokenizer at speech_tokenizer.path={cfg.speech_tokenizer.path} has {codebook} tokens but the "
+            f"target ({cfg.target.name}) has speech_token_size={target.speech_token_size}: they must be one vocabulary"
         )
-    stops = getattr(target, "stop_tokens", None)
-    if stops is not None and tuple(sampling.stop_tokens) != tuple(stops):
-        raise ValueError(
-            f"target.sampling.stop_tokens={list(sampling.stop_tokens)} but the loaded target's stop tokens are "
-            f"{list(stops)} (speech_token_size={target.speech_token_size}): set target.sampling.stop_tokens"
-        )
-    draft = rule = None
+    draft = None
     if mode in ("speculative", "draft_only"):
         draft = _cached("draft", {"target": cfg.target.model, "draft": cfg.draft},
                         lambda: _instantiate(cfg.draft, "draft", target=target))  # fmt: skip
-    if mode == "speculative":
-        extra = {}
-        if cfg.acceptance.name == "pcg":
-            with torch.no_grad():
-                vocab = torch.arange(target.vocab_size, device=target.device)
-                extra["embeddings"] = target.embed_speech(vocab).float()
-        rule = instantiate(cfg.acceptance, **extra)
+    if rule is not None:
+        rule = rule.bind(target)
     return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language)
 
 
@@ -323,7 +303,7 @@ def _decode(cfg: DictConfig, m: EvalModels, prompt, min_len, max_len, generator)
 
 def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -> tuple[Any, Any, Any, Any]:
     from ssd.audio.features import load_audio
-    from ssd.audio.vocoder import VocoderPrompt
+    from ssd.contracts import VocoderPrompt
 
     if pair.prompt_utt not in prompt_cache:
         wav, sr = load_audio(pair.prompt_wav, None)
@@ -382,7 +362,7 @@ def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: st
         "hypothesis": hypothesis, "errors": scored.errors, "ref_words": scored.ref_words, "wer": scored.wer,
         "sim": sim,
         # TV(output law, q) is known when the rule is exact (0) or the engine tracked it (inexact, O(V) law).
-        "tv_known": m.rule is None or m.rule.exact or m.rule.cheap_output_law,
+        "tv_known": m.rule is None or m.rule.exact or getattr(m.rule, "cheap_output_law", False),
     }  # fmt: skip
     if m.language is not None:
         if wrong_text is not None:
@@ -420,6 +400,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     cfg = cfg.copy()  # the caller's config stays as given; `output_dir` (logger configs use it) = run_dir
     with open_dict(cfg):
         cfg.output_dir = str(run_dir)
+    validate_sweep_config(cfg)
     if cfg.eval.get("num_threads"):
         torch.set_num_threads(int(cfg.eval.num_threads))
     _check_resume(run_dir, cfg)
@@ -444,7 +425,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     _run_loop(cfg, models, todo, wrong_texts, prompt_cache, records, results_path, audio_dir, n_audio)
 
     metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
-    metrics.update(_run_labels(cfg))
+    metrics.update(run_labels(cfg, models))
     if cfg.get("baseline_dir"):
         metrics.update(speedup_vs(metrics, Path(str(cfg.baseline_dir))))
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
@@ -475,8 +456,9 @@ def _run_loop(
     bar.close()
 
 
-def _run_labels(cfg: DictConfig) -> dict:
-    """The setting of a run, as the aggregation table shows it."""
+def run_labels(cfg: DictConfig, models: EvalModels) -> dict:
+    """The setting of a run, as the tables show it: `setting_keys` names the keys that identify the
+    decoding setting (the rule declares its own parameters: `AcceptanceRule.labels()`)."""
     mode = cfg.decoding.mode
     labels = {
         "decoding": mode,
@@ -484,16 +466,16 @@ def _run_labels(cfg: DictConfig) -> dict:
         "eval": cfg.eval.name,
         "split": cfg.eval.get("split"),
     }
+    setting = ["decoding"]
     if mode != "ar":
         labels["draft"] = cfg.draft.get("name")
     if mode == "speculative":
-        labels["acceptance"] = cfg.acceptance.name
-        labels["draft_len"] = int(cfg.decoding.draft_len)
-        labels["adaptive"] = bool(cfg.decoding.adaptive.enabled)
-        for key in ("beta", "theta"):
-            if key in cfg.acceptance:
-                labels[key] = float(cfg.acceptance[key])
-    return labels
+        rule = models.rule
+        rule_labels = {k: float(v) if isinstance(v, int | float) else v for k, v in rule.labels().items()}
+        labels.update(acceptance=getattr(rule, "name", type(rule).__name__), **rule_labels,
+                      draft_len=int(cfg.decoding.draft_len), adaptive=bool(cfg.decoding.adaptive.enabled))  # fmt: skip
+        setting += ["acceptance", *rule_labels, "draft_len", "adaptive"]
+    return {**labels, "setting_keys": setting}
 
 
 def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:

@@ -101,7 +101,7 @@ def exactness_chi_square(
     Tests the joint law of tokens 1..`tokens` and of tokens 2..`tokens` (token 1 comes from the target's
     prefill in both decoders, so only tokens 2.. exercise the verifier). Equality is rejected when p < alpha.
     """
-    from ssd.decoding.acceptance import make_rule
+    from ssd.decoding.acceptance import ToleranceRule
     from ssd.decoding.generate import decode_speculative
 
     reference = sample_early_tokens(
@@ -111,7 +111,7 @@ def exactness_chi_square(
     for i, arm in enumerate(arms):
         beta = beta_broken if arm.beta > 0 else 0.0
         verifier_law = sampling if arm.ras_in_verifier else replace(sampling, ras_window=0)
-        rule = make_rule("tolerance", beta=beta)
+        rule = ToleranceRule(beta=beta)
 
         def spec(prompt, generator, law=verifier_law, rule=rule):
             return decode_speculative(target, draft, prompt, law, rule, draft_len=draft_len, max_len=tokens,
@@ -135,14 +135,14 @@ def exactness_chi_square(
 def tv_drift(target, draft, sampling, prompt, min_len, max_len, betas, draft_len, seed=0) -> pd.DataFrame:
     """Mean per-step TV(output law of the tolerance rule, target law q) per draft position, per beta:
     exact (no sampling noise in the TV itself), along real speculative decodes of `prompt`."""
-    from ssd.decoding.acceptance import make_rule
+    from ssd.decoding.acceptance import ToleranceRule
     from ssd.decoding.generate import decode_speculative
 
     rows = []
     for beta in betas:
         generator = torch.Generator().manual_seed(seed)
         with torch.inference_mode():
-            result = decode_speculative(target, draft, prompt, sampling, make_rule("tolerance", beta=float(beta)),
+            result = decode_speculative(target, draft, prompt, sampling, ToleranceRule(beta=float(beta)),
                                         draft_len=draft_len, max_len=max_len, min_len=min_len,
                                         generator=generator, track_tv=True)  # fmt: skip
         stats = result.stats

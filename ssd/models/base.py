@@ -1,7 +1,8 @@
 """What CosyVoice 2 and LLaSA adapters share: the SpeechLM methods over a static-cache backbone.
 
-A subclass says how a prompt becomes input embeddings, how speech tokens are embedded and how
-hidden states become speech logits; prefill/extend/rollback live here once.
+A subclass says how a prompt becomes input embeddings, how speech tokens are embedded, how hidden
+states become speech logits and what precedes the speech in a training row; prefill/extend/rollback
+and teacher-forced `training_logits` live here once (`ssd.contracts.TTSTargetLM`).
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssd.contracts import IGNORE_INDEX
 from ssd.models.transformer import Backbone, KVCache
 
 
 class CachedSpeechLM(nn.Module):
-    """Base of the speech LM adapters; speaks `ssd.decoding.interface.SpeechLM`."""
+    """Base of the speech LM adapters; speaks `ssd.contracts.TTSTargetLM`."""
 
     backbone: Backbone
     vocab_size: int
-    draft_recipe: Any = None  # set by ssd.models.draft.build_draft
-    draft_target_fingerprint: Any = None
-    draft_name: str | None = None
+    speech_token_size: int
+    eos_token: int
+    stop_tokens: tuple[int, ...]
 
     # --- what a subclass provides -------------------------------------------------------------
     def embed_prompt(self, prompt: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +38,11 @@ class CachedSpeechLM(nn.Module):
 
     def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> logits over the speech head [..., V] (model dtype)."""
+        raise NotImplementedError
+
+    def prefix_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [P, H] of what precedes the speech in a training row whose text is `text_ids`
+        [T]; the output at its last position predicts the first speech token."""
         raise NotImplementedError
 
     def module_groups(self) -> dict[str, nn.Module]:
@@ -68,6 +75,46 @@ class CachedSpeechLM(nn.Module):
     def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
         cache.rollback(n)
 
+    # --- training ------------------------------------------------------------------------------
+    def training_logits(
+        self,
+        text_ids: torch.Tensor,
+        text_lens: torch.Tensor,
+        speech_tokens: torch.Tensor,
+        speech_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing. Inputs right-padded: text_ids [B, Tt], speech_tokens [B, Ts].
+
+        Returns (logits [B, T, V], targets [B, T]); row b's input is prefix_embeds(text) ++ speech and its
+        target IGNORE_INDEX for every prefix position but the last, then speech ++ [EOS]; padding is ignored.
+        """
+        b = text_ids.shape[0]
+        if not (text_lens.numel() == speech_tokens.shape[0] == speech_lens.numel() == b):
+            raise ValueError(
+                f"training_logits: batch sizes differ: text_ids {tuple(text_ids.shape)}, text_lens "
+                f"{tuple(text_lens.shape)}, speech_tokens {tuple(speech_tokens.shape)}, speech_lens {tuple(speech_lens.shape)}"
+            )
+        device = self.device
+        rows, targets = [], []
+        for i in range(b):
+            tl, sl = int(text_lens[i]), int(speech_lens[i])
+            if tl > text_ids.shape[1] or sl > speech_tokens.shape[1]:
+                raise ValueError(f"training_logits row {i}: length ({tl}, {sl}) exceeds the padded tensor")
+            speech = speech_tokens[i, :sl].to(device)
+            if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= self.speech_token_size):
+                raise ValueError(
+                    f"training_logits row {i}: speech tokens must lie in [0, {self.speech_token_size})"
+                )
+            prefix = self.prefix_embeds(text_ids[i, :tl].to(device))
+            rows.append(torch.cat([prefix, self.embed_speech(speech)]))
+            ignore = torch.full((prefix.shape[0] - 1,), IGNORE_INDEX, dtype=torch.long, device=device)
+            eos = torch.tensor([self.eos_token], device=device)
+            targets.append(torch.cat([ignore, speech, eos]))
+        embeds, lengths = pad_right(rows)
+        target = nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX)
+        hidden = self.backbone(embeds, lengths=lengths)
+        return self.speech_logits(hidden), target
+
     # --- helpers -------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -83,13 +130,6 @@ class CachedSpeechLM(nn.Module):
                 f"{what}: speech token ids must lie in [0, {self.vocab_size}), "
                 f"got range [{int(tokens.min())}, {int(tokens.max())}]"
             )
-
-    def __repr__(self) -> str:
-        if self.draft_recipe is not None:
-            from ssd.models.draft import describe
-
-            return describe(self)
-        return super().__repr__()
 
 
 def pad_right(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

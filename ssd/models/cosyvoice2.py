@@ -37,7 +37,6 @@ LLM_FILE = "llm.pt"
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
 BACKBONE_PREFIX = "llm.model.model."
 TEXT_HEAD_KEY = "llm.model.lm_head.weight"
-IGNORE_INDEX = -100
 # Upstream's QwenTokenizer adds these to the BlankEN tokenizer (cosyvoice/tokenizer/tokenizer.py).
 TEXT_SPECIAL_TOKENS = (
     "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>", "[noise]",
@@ -232,7 +231,10 @@ class CosyVoice2LM(CachedSpeechLM):
     def length_limits(self, prompt: CosyVoice2Prompt) -> tuple[torch.Tensor, torch.Tensor]:
         """(min_len [B], max_len [B]) of generated tokens: 2x / 20x the target text's token count."""
         n = prompt.target_text_lens
-        return n * self.min_token_text_ratio, n * self.max_token_text_ratio
+        return self.min_speech_tokens(n), n * self.max_token_text_ratio
+
+    def min_speech_tokens(self, text_lens: torch.Tensor) -> torch.Tensor:
+        return text_lens * self.min_token_text_ratio
 
     # --- SpeechLM pieces -----------------------------------------------------------------------
     def _text_embeds(self, ids: torch.Tensor) -> torch.Tensor:
@@ -243,10 +245,6 @@ class CosyVoice2LM(CachedSpeechLM):
             )
         return self.backbone.embed_tokens(ids)
 
-    def _row_embeds(self, text_ids: torch.Tensor, speech_ids: torch.Tensor) -> torch.Tensor:
-        sos, task_id = self.llm_embedding.weight[0:1], self.llm_embedding.weight[1:2]
-        return torch.cat([sos, self._text_embeds(text_ids), task_id, self.speech_embedding(speech_ids)])
-
     def embed_prompt(self, prompt: CosyVoice2Prompt) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(prompt, CosyVoice2Prompt):
             raise TypeError(f"CosyVoice2LM needs a CosyVoice2Prompt, got {type(prompt).__name__}")
@@ -254,7 +252,7 @@ class CosyVoice2LM(CachedSpeechLM):
         for text, speech in zip(prompt.text_ids, prompt.speech_ids):
             speech = speech.to(self.device)
             self._check_speech_ids(speech, "prompt speech tokens")
-            rows.append(self._row_embeds(text.to(self.device), speech))
+            rows.append(torch.cat([self.prefix_embeds(text.to(self.device)), self.embed_speech(speech)]))
         return pad_right(rows)
 
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -264,44 +262,10 @@ class CosyVoice2LM(CachedSpeechLM):
         return self.llm_decoder(hidden)
 
     # --- training ------------------------------------------------------------------------------
-    def training_logits(
-        self,
-        text_ids: torch.Tensor,
-        text_lens: torch.Tensor,
-        speech_tokens: torch.Tensor,
-        speech_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher forcing (REFERENCE §2.2). Inputs right-padded: text_ids [B, Tt], speech_tokens [B, Ts].
-
-        Returns (logits [B, T, S+3], targets [B, T]); row b's input is
-        [sos, text, task_id, speech] and its target [-100]*(1+Tt_b) ++ speech ++ [EOS] (the output
-        at task_id predicts speech[0]); padding targets are -100.
-        """
-        b = text_ids.shape[0]
-        if not (text_lens.numel() == speech_tokens.shape[0] == speech_lens.numel() == b):
-            raise ValueError(
-                f"training_logits: batch sizes differ: text_ids {tuple(text_ids.shape)}, text_lens "
-                f"{tuple(text_lens.shape)}, speech_tokens {tuple(speech_tokens.shape)}, speech_lens {tuple(speech_lens.shape)}"
-            )
-        device = self.device
-        rows, targets = [], []
-        for i in range(b):
-            tl, sl = int(text_lens[i]), int(speech_lens[i])
-            if tl > text_ids.shape[1] or sl > speech_tokens.shape[1]:
-                raise ValueError(f"training_logits row {i}: length ({tl}, {sl}) exceeds the padded tensor")
-            speech = speech_tokens[i, :sl].to(device)
-            if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= self.speech_token_size):
-                raise ValueError(
-                    f"training_logits row {i}: speech tokens must lie in [0, {self.speech_token_size})"
-                )
-            rows.append(self._row_embeds(text_ids[i, :tl].to(device), speech))
-            ignore = torch.full((1 + tl,), IGNORE_INDEX, dtype=torch.long, device=device)
-            eos = torch.tensor([self.eos_token], device=device)
-            targets.append(torch.cat([ignore, speech, eos]))
-        embeds, lengths = pad_right(rows)
-        target = nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX)
-        hidden = self.backbone(embeds, lengths=lengths)
-        return self.llm_decoder(hidden), target
+    def prefix_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """[sos, text, task_id] (docs/targets.md §2.2): the output at task_id predicts the first speech token."""
+        sos, task_id = self.llm_embedding.weight[0:1], self.llm_embedding.weight[1:2]
+        return torch.cat([sos, self._text_embeds(text_ids), task_id])
 
     # --- drafts --------------------------------------------------------------------------------
     def module_groups(self) -> dict[str, nn.Module]:

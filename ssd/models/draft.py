@@ -1,8 +1,9 @@
 """Layer-inheritance drafts: the target's architecture with a chosen list of the target's layers.
 
 `build_draft(target, layers=[0, 1, 18, ..., 23], trainable=["layers.0", "layers.1", "head"])`
-returns a model of the target's class whose layer j is a bit-exact copy of target layer
-layers[j]. Frozen embeddings / head / final norm are the target's own tensors when
+returns a `Draft`: a model of the target's class whose layer j is a bit-exact copy of target layer
+layers[j], with the recipe and the target's fingerprint beside it (the draft speaks the target's
+contract by delegation, so the engine and the trainer take it where they take a target). Frozen embeddings / head / final norm are the target's own tensors when
 share_embeddings is true (copies otherwise); trainable parts are always copies, so training a
 draft never changes its target. A draft checkpoint holds only the trainable tensors, the recipe
 and a fingerprint of the target; loading rebuilds everything else from the target.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ssd.models.base import CachedSpeechLM
 
@@ -30,6 +32,55 @@ class DraftRecipe:
     layers: tuple[int, ...]  # target layer index of each draft layer, in order
     trainable: tuple[str, ...]  # draft-local group names ("layers.0", "head", ...)
     share_embeddings: bool
+
+
+class Draft(nn.Module):
+    """A draft model and what it was built from. `model` is of the target's class; the rest is metadata."""
+
+    def __init__(
+        self,
+        model: CachedSpeechLM,
+        recipe: DraftRecipe,
+        target_fingerprint: dict[str, Any],
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.recipe = recipe
+        self.target_fingerprint = target_fingerprint
+        self.name = name
+        self.vocab_size = model.vocab_size
+        self.speech_token_size = model.speech_token_size
+        self.stop_tokens = model.stop_tokens
+
+    # The SpeechLM / TTSTargetLM methods are the model's own.
+    def prefill(self, prompt: Any, max_new_tokens: int):
+        return self.model.prefill(prompt, max_new_tokens)
+
+    def extend(self, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.extend(cache, tokens)
+
+    def rollback(self, cache: Any, n: torch.Tensor | int) -> None:
+        self.model.rollback(cache, n)
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_speech(tokens)
+
+    def training_logits(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.training_logits(*args)
+
+    def min_speech_tokens(self, text_lens: torch.Tensor) -> torch.Tensor:
+        return self.model.min_speech_tokens(text_lens)
+
+    def module_groups(self) -> dict[str, nn.Module]:
+        return self.model.module_groups()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def __repr__(self) -> str:
+        return describe(self)
 
 
 def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
@@ -64,13 +115,13 @@ def build_draft(
     share_embeddings: bool = True,
     checkpoint: str | Path | None = None,
     name: str | None = None,
-) -> CachedSpeechLM:
+) -> Draft:
     """A draft of the target's class from target layers `layers` (see the module docstring).
 
     layers: target layer indices; negative ones count from the top (-1 = last), as in Python.
     trainable: draft-local group names; everything else gets requires_grad=False.
     checkpoint: a file from save_draft with the same recipe, whose trained tensors are loaded.
-    name: a label (the draft config's name), kept as draft.draft_name.
+    name: a label (the draft config's name), kept as draft.name.
     """
     n_target = len(target.backbone.layers)
     requested = [int(i) for i in layers]
@@ -100,27 +151,27 @@ def build_draft(
     draft.backbone.init_rope(device=target.device)
     for key, param in draft.named_parameters():
         param.requires_grad_(group_of[key] in trainable)
-    draft.draft_recipe = DraftRecipe(layers, trainable, bool(share_embeddings))
-    draft.draft_target_fingerprint = target_fingerprint(target)
-    draft.draft_name = name
-    draft.eval()
+    wrapped = Draft(
+        draft.eval(), DraftRecipe(layers, trainable, bool(share_embeddings)), target_fingerprint(target), name
+    )
     if checkpoint is not None:
-        _load_trained(draft, target, checkpoint)
-    return draft
+        _load_trained(wrapped, target, checkpoint)
+    return wrapped
 
 
-def save_draft(path: str | Path, draft: CachedSpeechLM) -> Path:
+def save_draft(path: str | Path, draft: Draft) -> Path:
     """Store the draft's trainable tensors, its recipe and its target's fingerprint (taken at build)."""
-    if draft.draft_recipe is None:
-        raise ValueError("save_draft needs a model made by build_draft")
+    if not isinstance(draft, Draft):
+        raise ValueError(f"save_draft needs a Draft made by build_draft, got {type(draft).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    trained = {k: p.detach().cpu().clone() for k, p in draft.named_parameters() if p.requires_grad}
+    # Keys are the model's own (not the wrapper's), so the file format is independent of the wrapper.
+    trained = {k: p.detach().cpu().clone() for k, p in draft.model.named_parameters() if p.requires_grad}
     payload = {
         "format": CHECKPOINT_FORMAT,
-        "recipe": {**asdict(draft.draft_recipe), "layers": list(draft.draft_recipe.layers),
-                   "trainable": list(draft.draft_recipe.trainable)},
-        "target": draft.draft_target_fingerprint,
+        "recipe": {**asdict(draft.recipe), "layers": list(draft.recipe.layers),
+                   "trainable": list(draft.recipe.trainable)},
+        "target": draft.target_fingerprint,
         "trained": trained,
     }  # fmt: skip
     torch.save(payload, path)
@@ -150,18 +201,18 @@ def _check_target(payload: dict[str, Any], target: CachedSpeechLM, path: Path) -
         )
 
 
-def _load_trained(draft: CachedSpeechLM, target: CachedSpeechLM, path: str | Path) -> None:
+def _load_trained(draft: Draft, target: CachedSpeechLM, path: str | Path) -> None:
     path = Path(path)
     payload = _read_checkpoint(path)
     _check_target(payload, target, path)
     recipe = payload["recipe"]
-    mine = draft.draft_recipe
+    mine = draft.recipe
     if tuple(recipe["layers"]) != mine.layers or tuple(recipe["trainable"]) != mine.trainable:
         raise ValueError(
             f"draft checkpoint {path} has recipe layers={recipe['layers']} trainable={recipe['trainable']}, "
             f"but the config asks for layers={list(mine.layers)} trainable={list(mine.trainable)}"
         )
-    params = dict(draft.named_parameters())
+    params = dict(draft.model.named_parameters())
     expected = {k for k, p in params.items() if p.requires_grad}
     if set(payload["trained"]) != expected:
         raise ValueError(
@@ -175,7 +226,7 @@ def _load_trained(draft: CachedSpeechLM, target: CachedSpeechLM, path: str | Pat
             params[key].copy_(value)
 
 
-def load_draft(path: str | Path, target: CachedSpeechLM) -> CachedSpeechLM:
+def load_draft(path: str | Path, target: CachedSpeechLM) -> Draft:
     """Rebuild a saved draft from its target (a different target is a clear error)."""
     payload = _read_checkpoint(path)
     _check_target(payload, target, Path(path))
@@ -185,9 +236,9 @@ def load_draft(path: str | Path, target: CachedSpeechLM) -> CachedSpeechLM:
     )
 
 
-def parameter_table(model: CachedSpeechLM) -> list[dict[str, Any]]:
+def parameter_table(model: CachedSpeechLM | Draft) -> list[dict[str, Any]]:
     """One row per module group: trainable / frozen parameter counts and where it came from."""
-    recipe = model.draft_recipe
+    recipe = model.recipe if isinstance(model, Draft) else None
     rows = []
     for group, module in model.module_groups().items():
         params = list(module.parameters())
@@ -204,13 +255,13 @@ def parameter_table(model: CachedSpeechLM) -> list[dict[str, Any]]:
     return rows
 
 
-def describe(model: CachedSpeechLM) -> str:
+def describe(model: CachedSpeechLM | Draft) -> str:
     """A table of per-module trainable / frozen parameter counts (what printing a draft shows)."""
     from rich.console import Console
     from rich.table import Table
 
     rows = parameter_table(model)
-    title = f"{type(model).__name__} draft" if model.draft_recipe is not None else type(model).__name__
+    title = f"{type(model.model).__name__} draft" if isinstance(model, Draft) else type(model).__name__
     table = Table(title=title)
     for column in ("module", "trainable", "frozen", "source"):
         table.add_column(column, justify="right" if column in ("trainable", "frozen") else "left")

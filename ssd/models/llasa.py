@@ -86,10 +86,14 @@ class LlasaLM(CachedSpeechLM):
         self.num_speech_tokens = num_speech_tokens
         self.speech_end_id = speech_end_id
         self.vocab_size = num_speech_tokens + 1
+        self.speech_token_size = num_speech_tokens
         self.eos_token = num_speech_tokens
         self.stop_tokens = (num_speech_tokens,)
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self._template_split: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # prefix_embeds' template pieces
+        )
 
     # --- checkpoint format ---------------------------------------------------------------------
     @classmethod
@@ -143,10 +147,6 @@ class LlasaLM(CachedSpeechLM):
         prompt_texts: Sequence[str] | None = None,
         prompt_speech_tokens: Sequence[Sequence[int]] | None = None,
     ) -> LlasaPrompt:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "LLaSA prompts need the tokenizer's chat template (tokenizer_config.json chat_template)"
-            )
         n = len(texts)
         prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
         prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
@@ -155,17 +155,7 @@ class LlasaLM(CachedSpeechLM):
                              f"{len(prompt_speech_tokens)} prompt_speech_tokens")  # fmt: skip
         rows = []
         for text, prompt_text, speech in zip(texts, prompt_texts, prompt_speech_tokens):
-            joined = f"{prompt_text} {text}" if prompt_text else text
-            chat = [
-                {
-                    "role": "user",
-                    "content": f"Convert the text to speech:{SPECIAL_TOKENS[2]}{joined}{SPECIAL_TOKENS[3]}",
-                },
-                {"role": "assistant", "content": SPECIAL_TOKENS[4]},
-            ]
-            ids = self.tokenizer.apply_chat_template(chat, tokenize=True, continue_final_message=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = self._chat_ids(f"{prompt_text} {text}" if prompt_text else text)
             speech = torch.as_tensor(list(speech), dtype=torch.long)
             self._check_speech_ids(speech, "prompt speech tokens")
             if speech.numel() and int(speech.max()) >= self.num_speech_tokens:
@@ -173,10 +163,41 @@ class LlasaLM(CachedSpeechLM):
             rows.append(torch.cat([torch.as_tensor(ids, dtype=torch.long), speech + self.speech_offset]))
         return LlasaPrompt(rows)
 
+    def _chat_ids(self, text: str) -> list[int]:
+        """The chat-formatted prompt of `text`, up to and including <|SPEECH_GENERATION_START|>."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "LLaSA prompts need the tokenizer's chat template (tokenizer_config.json chat_template)"
+            )
+        chat = [
+            {
+                "role": "user",
+                "content": f"Convert the text to speech:{SPECIAL_TOKENS[2]}{text}{SPECIAL_TOKENS[3]}",
+            },
+            {"role": "assistant", "content": SPECIAL_TOKENS[4]},
+        ]
+        ids = self.tokenizer.apply_chat_template(chat, tokenize=True, continue_final_message=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
     def length_limits(self, prompt: LlasaPrompt) -> tuple[torch.Tensor, torch.Tensor]:
         """(min_len [B] = 0, max_len [B] = 2048 - prompt length): LLaSA's trained context."""
         lengths = torch.tensor([t.numel() for t in prompt.input_ids])
-        return torch.zeros_like(lengths), (self.max_length - lengths).clamp(min=0)
+        return self.min_speech_tokens(lengths), (self.max_length - lengths).clamp(min=0)
+
+    def min_speech_tokens(self, text_lens: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(text_lens)  # LLaSA has no minimum length
+
+    # --- training ------------------------------------------------------------------------------
+    def prefix_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """The chat-formatted prompt around `text_ids` (the text tokens of a shard row). The template is
+        split at <|TEXT_UNDERSTANDING_START|> once: special tokens bound the text, so its ids are the
+        text's own tokenization, as in the authors' training rows."""
+        if self._template_split is None:
+            empty = self._chat_ids("")
+            start = empty.index(self.tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[2])) + 1
+            self._template_split = (torch.tensor(empty[:start]), torch.tensor(empty[start:]))
+        before, after = (t.to(text_ids.device) for t in self._template_split)
+        return self.backbone.embed_tokens(torch.cat([before, text_ids, after]))
 
     # --- SpeechLM pieces -----------------------------------------------------------------------
     def embed_prompt(self, prompt: LlasaPrompt) -> tuple[torch.Tensor, torch.Tensor]:

@@ -330,8 +330,9 @@ class ToyCodec:
         (d / "codec.json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
-    def load(cls, directory: str | Path) -> ToyCodec:
-        d = Path(directory)
+    def load(cls, path: str | Path) -> ToyCodec:
+        """The codec saved in directory `path` (configs/speech_tokenizer/toy.yaml instantiates it by `path`)."""
+        d = Path(path)
         meta = json.loads((d / "codec.json").read_text()) if (d / "codec.json").is_file() else {}
         needed = ["codec.json", "codec.npz", "decoder.pt"]
         if meta.get("config", {}).get("features") == "phonetic":

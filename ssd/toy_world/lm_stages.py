@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ssd.config import compose
+from ssd.config import compose, option_node
 from ssd.toy_world.audio_stages import corpus_language
 from ssd.toy_world.codec import ToyCodec
 from ssd.toy_world.stages import StageContext
@@ -52,8 +52,7 @@ def run_tokens(ctx: StageContext) -> dict:
         ctx.inputs["corpus"],
         ctx.out_dir / "shards",
         text_tokenizer=text_tokenizer,
-        speech_tokenizer="toy",
-        speech_tokenizer_path=ctx.inputs["codec"],
+        speech_tokenizer=option_node("speech_tokenizer", "toy", path=str(ctx.inputs["codec"])),
         num_workers=int(ctx.world.get("workers", 2)),
         progress=ctx.progress,
         log=None,

@@ -1,6 +1,6 @@
 """One LightningModule that trains any speech LM with `training_logits` (a draft or a target).
 
-Loss, in the CosyVoice 2 layout (REFERENCE §2.2): cross-entropy on the speech tokens + EOS,
+Loss, in the model's own layout (`training_logits`; CosyVoice 2's: docs/targets.md §2.2): cross-entropy on the speech tokens + EOS,
 summed over non-ignored positions and divided by their number. With a frozen teacher (the
 target) and kd_weight w > 0:
 
@@ -30,13 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.contracts import IGNORE_INDEX
 from ssd.decoding.sampling import SamplingConfig, distribution
 from ssd.training.schema import OptimConfig
 
-IGNORE_INDEX = -100
 DEV_AGREEMENT_KEYS = ("top1_agreement", "alpha_softmax", "alpha_target_sampling")
-# min_len = MIN_LEN_PER_TEXT_TOKEN x text tokens: CosyVoice 2's min_token_text_ratio (REFERENCE §2.2).
-MIN_LEN_PER_TEXT_TOKEN = 2
 
 
 class SpeechLMTrainingModule(L.LightningModule):
@@ -83,7 +81,7 @@ class SpeechLMTrainingModule(L.LightningModule):
         ):
             raise ValueError(
                 f"sampling stop_tokens {list(agreement_sampling.stop_tokens)} do not fit the model's head of {vocab} "
-                "entries: set target.sampling.stop_tokens to match the target (speech_token_size + 0, 1, 2)"
+                "entries: build the SamplingConfig with the target's own stop_tokens"
             )
         self.agreement_sampling = agreement_sampling
         # Lightning loads last.ckpt, which holds only the trainable tensors (on_save_checkpoint).
@@ -230,7 +228,8 @@ class SpeechLMTrainingModule(L.LightningModule):
         }
         cfg = self.agreement_sampling
         if cfg is not None:
-            window, step, min_len = self.sampling_context(batch, cfg.window)
+            row_min_len = self.teacher.min_speech_tokens(batch["text_lens"].to(teacher_logits.device))
+            window, step, min_len = self.sampling_context(batch, cfg.window, row_min_len)
             ps = distribution(cfg, logits, window, step, min_len)
             qs = distribution(cfg, teacher_logits, window, step, min_len)
             # Undefined where the law is: eos_mode="resample" before min_len with a nucleus of stop
@@ -241,16 +240,17 @@ class SpeechLMTrainingModule(L.LightningModule):
         return out
 
     @staticmethod
-    def sampling_context(batch: dict, window_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sampling_context(
+        batch: dict, window_size: int, row_min_len: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For every scored position (row-major, as `_scored`): the last `window_size` teacher-forced
-        speech tokens before it (-1 where fewer), its step (index among generated tokens) and min_len."""
+        speech tokens before it (-1 where fewer), its step (index among generated tokens) and its row's
+        min_len (`row_min_len` [B], the target's `min_speech_tokens` of the text)."""
         speech, speech_lens = batch["speech_tokens"], batch["speech_lens"]
         rows, width = speech.shape
         steps = torch.arange(width + 1, device=speech.device)
         padded = F.pad(speech, (window_size, 0), value=-1)  # position j's window = padded[j : j + W]
         windows = padded.unfold(1, window_size, 1) if window_size else speech.new_empty(rows, width + 1, 0)
         scored = steps[None, :] <= speech_lens[:, None]  # speech_len tokens + EOS per row
-        min_len = (MIN_LEN_PER_TEXT_TOKEN * batch["text_lens"].to(speech.device))[:, None].expand(
-            rows, width + 1
-        )
+        min_len = row_min_len.to(speech.device)[:, None].expand(rows, width + 1)
         return windows[scored], steps.expand(rows, -1)[scored], min_len[scored]

@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from ssd.models.draft import describe, save_draft
+from ssd.models.draft import Draft, describe, save_draft
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, validate_train_config
 
@@ -39,16 +39,10 @@ LAST_CHECKPOINT = "last.ckpt"
 BEFORE_FILE = "before_training.json"
 
 
-def is_draft(model: torch.nn.Module) -> bool:
-    return getattr(model, "draft_recipe", None) is not None
-
-
 def export_model(model: torch.nn.Module, path: str | Path) -> Path:
     """A draft -> save_draft's file at `path`; a target -> its own model-dir format at `path`."""
-    if is_draft(model):
+    if isinstance(model, Draft):
         return save_draft(path, model)
-    if not hasattr(model, "save_dir"):
-        raise TypeError(f"{type(model).__name__} has no save_dir(): cannot export a trained target")
     return model.save_dir(path)
 
 
@@ -133,7 +127,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     sampling = None
     if cfg.agreement_sampling and teacher is not None and cfg.target.get("sampling") is not None:
-        sampling = instantiate(cfg.target.sampling)
+        sampling = instantiate(cfg.target.sampling, stop_tokens=list(teacher.stop_tokens))
     module = SpeechLMTrainingModule(
         model,
         teacher,
@@ -146,7 +140,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(cfg.data)
     loggers = build_loggers(cfg.logger)
     ckpt_dir = output_dir / CHECKPOINT_DIR
-    draft = is_draft(model)
+    draft = isinstance(model, Draft)
     monitor = ("dev/alpha_softmax", "max") if draft and teacher is not None else ("dev/ce", "min")
     callbacks = [
         # last.ckpt (resume): every validation, and explicitly after the last step.

@@ -1,0 +1,107 @@
+"""The one place that composes the project's Hydra configs outside an entry point.
+
+The configs live in `configs/` at the repo root and ship inside the package as `ssd.configs`
+(`ssd/configs` links to them), so `compose("sweep", [...])` gives what `python sweep.py ...` sees,
+from a checkout or from an installed wheel alike. Override-string helpers live here too: the
+experiment driver and the toy-world builder both turn config values into command-line overrides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONFIG_MODULE = "ssd.configs"
+MAX_DIRNAME = 120
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
+    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
+    name = override_dirname.replace("/", "_") or "default"
+    if len(name) <= MAX_DIRNAME:
+        return name
+    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
+
+
+def register() -> None:
+    """Resolvers and schemas the configs name; idempotent. Every process that composes a config (entry
+    points, joblib/submitit workers unpickling a task, the library's `compose`) calls it."""
+    from ssd.evaluation.schema import register_sweep_schema
+    from ssd.training.schema import register_schema
+
+    if not OmegaConf.has_resolver("ssd.job_dirname"):  # configs/hydra/default.yaml names job dirs with it
+        OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
+    register_schema()
+    register_sweep_schema()
+
+
+def compose(config_name: str, overrides: Sequence[str] = (), with_hydra: bool = False) -> DictConfig:
+    """configs/<config_name>.yaml composed with `overrides`, as the entry point would see it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()  # a caller inside a Hydra app (the toy world's stages) has one already
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=with_hydra)
+
+
+def group_options(group: str) -> list[str]:
+    """The option names of a config group (`experiment` -> ['draft_training', 'exactness', ...])."""
+    folder = resources.files(CONFIG_MODULE).joinpath(group)
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir()
+                  if p.name.endswith(".yaml") and not p.name.startswith("_"))  # fmt: skip
+
+
+def option_node(group: str, option: str, **values: Any) -> dict:
+    """configs/<group>/<option>.yaml as a plain dict, with `values` set (for tools outside Hydra, e.g. the
+    shard preparation script: `option_node("speech_tokenizer", "toy", path=...)`)."""
+    if option not in group_options(group):
+        raise ValueError(f"unknown {group} {option!r}: choose one of {group_options(group)}")
+    text = resources.files(CONFIG_MODULE).joinpath(group, f"{option}.yaml").read_text()
+    node = OmegaConf.create(text)
+    node.merge_with(values)
+    return OmegaConf.to_container(node, resolve=True)
+
+
+# ---- override strings ------------------------------------------------------------------------------
+
+
+def override_key(override: str) -> str:
+    """'eval.n_utts=4' -> 'eval.n_utts'; '+x=1' -> 'x'; '~x' -> 'x'."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def override_value(value: Any) -> str:
+    """A config value as Hydra override text (lists as [a,b], None as null)."""
+    if isinstance(value, (ListConfig, DictConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def as_overrides(values: Any) -> list[str]:
+    """{key: value} (a config node or dict) as `key=value` overrides."""
+    plain = OmegaConf.to_container(values, resolve=True) if isinstance(values, DictConfig) else values
+    return [f"{k}={override_value(v)}" for k, v in (plain or {}).items()]
+
+
+def merge_overrides(*groups: Sequence[str]) -> list[str]:
+    """Concatenate override lists; for a key given twice the later one wins (Hydra refuses duplicates)."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for override in group:
+            merged.pop(override_key(override), None)
+            merged[override_key(override)] = override
+    return list(merged.values())

@@ -1,0 +1,141 @@
+"""The typed shape of `configs/sweep.yaml`, registered in Hydra's ConfigStore (as `sweep_schema`).
+
+Hydra then rejects, when the config is composed, a key that does not exist (`eval.n_uts=4`, also
+inside YAML files) and a value of the wrong type (`draft_len=abc`, `eval.max_len=x`). The ranges
+Hydra cannot check (`draft_len=0`, `eval.max_len=-5`, `adaptive.min_len > max_len`, β < 0, θ outside
+(-1, 1)) are checked by `validate_sweep_config`, which the runner calls first, before any model loads.
+Swappable parts (target, draft, acceptance, speech_tokenizer, vocoder, asr, sim) are `_target_` nodes:
+their keys are checked against the called class's signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ssd.training.schema import check_target_kwargs
+
+DECODING_MODES = ("speculative", "ar", "draft_only")
+SCHEMA_NAME = "sweep_schema"
+
+
+@dataclass
+class AdaptiveConfig:
+    """HF assisted generation's heuristic: +increase after a fully accepted round, -decrease otherwise."""
+
+    enabled: bool = False
+    min_len: int = 1
+    max_len: int = 8
+    increase: int = 2
+    decrease: int = 1
+
+
+@dataclass
+class DecodingConfig:
+    mode: str = MISSING  # speculative | ar | draft_only
+    draft_len: int = 3
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+
+
+@dataclass
+class EvalConfig:
+    """A zero-shot test list (ssd.data.libritts.make_zero_shot_pairs) and how it is judged."""
+
+    name: str = MISSING
+    split: str | None = None
+    corpus_root: str = MISSING
+    subsets: list[str] = field(default_factory=lambda: ["test-clean"])
+    n_utts: int = 500
+    n_speakers: int = 37
+    prompt_sec: list[float] = field(default_factory=lambda: [2.0, 4.0])
+    target_sec: list[float] = field(default_factory=lambda: [4.0, 10.0])
+    pair_seed: int = 0
+    language: str | None = None  # null | grid (the toy language: wrong-sentence WER, per-slot accuracy)
+    slots: Any = None
+    max_len: int | None = None  # cap on generated tokens (null = the target's own rule)
+    warmup: bool = True
+    num_audio_samples: int = 4
+    bootstrap_resamples: int = 1000
+    num_threads: int | None = None
+
+
+@dataclass
+class SweepConfig:
+    """Top level of sweep.yaml (see the comments there)."""
+
+    target: Any = MISSING
+    draft: Any = None
+    acceptance: Any = None
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    speech_tokenizer: Any = None
+    vocoder: Any = None
+    asr: Any = MISSING
+    sim: Any = MISSING
+    logger: Any = field(default_factory=dict)
+    paths: Any = MISSING
+    beta: float = 0.4
+    theta: float = 0.4
+    draft_len: int = 3
+    seed: int = 0
+    output_dir: str = MISSING
+    baseline_dir: str | None = None
+    progress: bool = True
+    reproduce: Any = None  # the experiment driver's notes (configs/experiment/)
+
+
+def register_sweep_schema() -> None:
+    """Make `sweep_schema` available to the defaults list of sweep.yaml."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=SweepConfig)
+
+
+def validate_sweep_config(cfg: DictConfig) -> None:
+    """Every range the types cannot express, in one error that names each key and what it must be."""
+    problems = []
+    mode = cfg.decoding.mode
+    if mode not in DECODING_MODES:
+        problems.append(f"decoding.mode={mode!r} must be one of {list(DECODING_MODES)}")
+    if mode == "speculative":
+        if int(cfg.decoding.draft_len) < 1:
+            problems.append(f"draft_len={cfg.decoding.draft_len} must be >= 1")
+        adaptive = cfg.decoding.adaptive
+        if adaptive.enabled and not 1 <= adaptive.min_len <= adaptive.max_len:
+            problems.append(
+                f"decoding.adaptive.min_len={adaptive.min_len} and max_len={adaptive.max_len} must satisfy "
+                "1 <= min_len <= max_len"
+            )
+        if adaptive.enabled and (adaptive.increase < 0 or adaptive.decrease < 0):
+            problems.append("decoding.adaptive.increase and decrease must be >= 0")
+        if cfg.acceptance is None:
+            problems.append("acceptance is null: choose a rule (acceptance=exact|tolerance|pcg|...)")
+    if mode in ("speculative", "draft_only") and cfg.draft is None:
+        problems.append(f"draft is null: decoding={mode} needs a draft (draft=toy)")
+    if cfg.beta < 0:
+        problems.append(f"beta={cfg.beta} must be >= 0")
+    if not -1 < cfg.theta < 1:
+        problems.append(f"theta={cfg.theta} must lie in (-1, 1) (a cosine threshold)")
+    e = cfg.eval
+    if e.max_len is not None and e.max_len < 1:
+        problems.append(f"eval.max_len={e.max_len} must be >= 1 or null")
+    for key in ("n_utts", "n_speakers"):
+        if e[key] < 1:
+            problems.append(f"eval.{key}={e[key]} must be >= 1")
+    for key in ("prompt_sec", "target_sec"):
+        lo_hi = list(e[key])
+        if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
+            problems.append(f"eval.{key}={lo_hi} must be [min, max] seconds with 0 <= min <= max")
+    if e.bootstrap_resamples < 0 or e.num_audio_samples < 0:
+        problems.append("eval.bootstrap_resamples and eval.num_audio_samples must be >= 0")
+    if problems:
+        raise ValueError("invalid sweep config: " + "; ".join(problems))
+    for key in ("target.model", "draft", "acceptance", "speech_tokenizer", "vocoder", "asr", "sim"):
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig) and "_target_" in node:
+            check_target_kwargs(node, key, supplied=_SUPPLIED.get(key, ()))
+
+
+# Arguments the runner passes itself, beside a node's keys.
+_SUPPLIED = {"draft": ("target",), "asr": ("closed_vocabulary",)}
