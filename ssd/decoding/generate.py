@@ -256,7 +256,6 @@ def decode_speculative(
     adaptive: AdaptiveDraftLength | None = None,
     generator: torch.Generator | None = None,
     track_tv: bool | None = None,
-    draft_prompt=None,
     verify_rows: int | None = None,
 ) -> DecodeResult:
     """Speculative decoding of `target` with `draft`, verified by `rule`.
@@ -275,7 +274,7 @@ def decode_speculative(
     # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.
     room = 2 * int(torch.as_tensor(max_len).max()) + max(k_max + 1, verify_rows or 0) + 1
     cache_t, logits_t = target.prefill(prompt, room)
-    cache_d, _ = draft.prefill(prompt if draft_prompt is None else draft_prompt, room)
+    cache_d, _ = draft.prefill(prompt, room)
     device, batch = logits_t.device, logits_t.shape[0]
     clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)

@@ -132,6 +132,48 @@ class CachedSpeechLM(nn.Module):
             )
 
 
+def prompt_rows(
+    texts: Sequence[str],
+    prompt_texts: Sequence[str] | None,
+    prompt_speech_tokens: Sequence[Sequence[int]] | None,
+) -> tuple[list[str], list[Sequence[int]]]:
+    """make_prompt's per-row prompt texts and prompt speech tokens ("" and [] when not given), checked
+    to have one entry per text."""
+    n = len(texts)
+    prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
+    prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
+    if len(prompt_texts) != n or len(prompt_speech_tokens) != n:
+        raise ValueError(
+            f"make_prompt: {n} texts but {len(prompt_texts)} prompt_texts and "
+            f"{len(prompt_speech_tokens)} prompt_speech_tokens"
+        )
+    return prompt_texts, prompt_speech_tokens
+
+
+def check_state_dict(
+    state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: Path
+) -> None:
+    """One error naming the file and every missing / unexpected / mis-shaped key of a checkpoint."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"{k}: file {tuple(state[k].shape)} vs config {expected[k]}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != expected[k]
+    ]
+    problems = []
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", mismatched),
+    ):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise ValueError(f"{source} does not match its config: " + "; ".join(problems))
+
+
 def pad_right(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack [T_i, H] tensors into [B, max T, H] (zeros after each row) and their lengths [B]."""
     lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=rows[0].device)

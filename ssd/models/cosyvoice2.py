@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssd.models.base import CachedSpeechLM, pad_right, require_model_dir, resolve_dtype
+from ssd.models.base import (
+    CachedSpeechLM,
+    check_state_dict,
+    pad_right,
+    prompt_rows,
+    require_model_dir,
+    resolve_dtype,
+)
 from ssd.models.text_tokenizer import load_text_tokenizer
 from ssd.models.transformer import Backbone, BackboneConfig
 
@@ -122,7 +129,7 @@ class CosyVoice2LM(CachedSpeechLM):
         state = torch.load(llm_path, map_location="cpu", weights_only=True, mmap=True)
         speech_rows = _speech_rows(state, llm_path)
         expected = cls.expected_llm_pt_shapes(backbone_config, speech_rows - 3)
-        _check_state_dict(state, expected, llm_path)
+        check_state_dict(state, expected, llm_path)
         tokenizer = load_text_tokenizer(
             model_dir / TOKENIZER_SUBDIR, extra_special_tokens=TEXT_SPECIAL_TOKENS
         )
@@ -210,14 +217,7 @@ class CosyVoice2LM(CachedSpeechLM):
         prompt_speech_tokens: Sequence[Sequence[int]] | None = None,
     ) -> CosyVoice2Prompt:
         """A prompt batch from strings (normalised text) and per-row prompt speech tokens."""
-        n = len(texts)
-        prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
-        prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
-        if len(prompt_texts) != n or len(prompt_speech_tokens) != n:
-            raise ValueError(
-                f"make_prompt: {n} texts but {len(prompt_texts)} prompt_texts and "
-                f"{len(prompt_speech_tokens)} prompt_speech_tokens"
-            )
+        prompt_texts, prompt_speech_tokens = prompt_rows(texts, prompt_texts, prompt_speech_tokens)
         targets = [self.tokenize(t) for t in texts]
         for row, ids in enumerate(targets):
             if not ids:
@@ -305,27 +305,3 @@ def _speech_rows(state: dict[str, torch.Tensor], path: Path) -> int:
     if key not in state:
         raise KeyError(f"{path}: missing key {key!r} (is this a CosyVoice 2 llm.pt?)")
     return int(state[key].shape[0])
-
-
-def _check_state_dict(
-    state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path: Path
-) -> None:
-    """One error naming the file and every missing / unexpected / mis-shaped key."""
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [
-        f"{k}: file {tuple(state[k].shape)} vs config {expected[k]}"
-        for k in expected
-        if k in state and tuple(state[k].shape) != expected[k]
-    ]
-    problems = []
-    for label, items in (
-        ("missing keys", missing),
-        ("unexpected keys", unexpected),
-        ("shape mismatches", mismatched),
-    ):
-        if items:
-            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-            problems.append(f"{label}: {shown}")
-    if problems:
-        raise ValueError(f"{path} does not match its config: " + "; ".join(problems))

@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.models.base import CachedSpeechLM, pad_right, require_model_dir, resolve_dtype
+from ssd.models.base import (
+    CachedSpeechLM,
+    check_state_dict,
+    pad_right,
+    prompt_rows,
+    require_model_dir,
+    resolve_dtype,
+)
 from ssd.models.text_tokenizer import load_text_tokenizer
 from ssd.models.transformer import Backbone, BackboneConfig
 
@@ -147,12 +154,7 @@ class LlasaLM(CachedSpeechLM):
         prompt_texts: Sequence[str] | None = None,
         prompt_speech_tokens: Sequence[Sequence[int]] | None = None,
     ) -> LlasaPrompt:
-        n = len(texts)
-        prompt_texts = [""] * n if prompt_texts is None else list(prompt_texts)
-        prompt_speech_tokens = [[]] * n if prompt_speech_tokens is None else list(prompt_speech_tokens)
-        if len(prompt_texts) != n or len(prompt_speech_tokens) != n:
-            raise ValueError(f"make_prompt: {n} texts but {len(prompt_texts)} prompt_texts, "
-                             f"{len(prompt_speech_tokens)} prompt_speech_tokens")  # fmt: skip
+        prompt_texts, prompt_speech_tokens = prompt_rows(texts, prompt_texts, prompt_speech_tokens)
         rows = []
         for text, prompt_text, speech in zip(texts, prompt_texts, prompt_speech_tokens):
             ids = self._chat_ids(f"{prompt_text} {text}" if prompt_text else text)
@@ -263,11 +265,4 @@ def _check_keys(state: dict[str, torch.Tensor], config: BackboneConfig, source: 
     head = (config.vocab_size, config.hidden_size)
     if not config.tie_word_embeddings or "lm_head.weight" in state:
         expected["lm_head.weight"] = head
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [f"{k}: file {tuple(state[k].shape)} vs config {s}" for k, s in expected.items()
-                  if k in state and tuple(state[k].shape) != s]  # fmt: skip
-    problems = [f"{label}: {', '.join(items[:8])}" for label, items in
-                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)) if items]  # fmt: skip
-    if problems:
-        raise ValueError(f"{source} does not match config.json: " + "; ".join(problems))
+    check_state_dict(state, expected, source)

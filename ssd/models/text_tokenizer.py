@@ -74,11 +74,3 @@ def write_word_tokenizer(
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
-
-
-def set_chat_template(tokenizer_dir: str | Path, template: str) -> None:
-    """Store a Jinja chat template in tokenizer_config.json (LLaSA formats its prompt with one)."""
-    config_path = Path(tokenizer_dir) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = template
-    config_path.write_text(json.dumps(config, indent=2))
