@@ -1,7 +1,9 @@
 """A micro toy world for evaluation tests: corpus (flite), toy codec, a tiny random target in the
 CosyVoice 2 format whose speech vocabulary is the codec's, and the Whisper base judge directory.
 
-    from tests.fixtures_eval import micro_world, sweep_overrides  # noqa: F401
+The `micro_world` fixture is registered for every test by tests/conftest.py (`pytest_plugins`): take
+it by parameter name. The helpers (`sweep_overrides`, `write_micro_config`, `run_sweep`, ...) are plain
+imports.
 
 Everything lands in one session-scoped tmp dir laid out as the toy world's `${paths.data_dir}/toy/`,
 so the configs' defaults (eval=toy, target=toy, speech_tokenizer/vocoder paths) point at it through

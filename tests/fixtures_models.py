@@ -1,6 +1,8 @@
-"""Tiny real-format model directories for tests (import the fixtures from conftest.py).
+"""Tiny real-format model directories for tests.
 
-from tests.fixtures_models import tiny_cosyvoice2_dir, tiny_llasa_dir  # noqa: F401
+The fixtures `tiny_cosyvoice2_dir` and `tiny_llasa_dir` are registered for every test by
+tests/conftest.py (`pytest_plugins`): take them by parameter name. The builders and constants
+(`make_tiny_cosyvoice2_dir`, `TINY_SPEECH_TOKENS`, ...) are plain imports.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
-from tests.fixtures_models import TINY_SPEECH_TOKENS, tiny_cosyvoice2_dir  # noqa: E402,F401
+from tests.fixtures_models import TINY_SPEECH_TOKENS  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -50,7 +50,7 @@ class UpstreamReference:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_cosyvoice2_dir):  # noqa: F811
+def model(tiny_cosyvoice2_dir):
     return CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
 
 
@@ -73,7 +73,7 @@ def test_prompt_from_strings_has_no_bos_eos_and_right_length_limits(model):
         CosyVoice2Prompt(text_ids=[[1, 2]], speech_ids=[[]], target_text_lens=[3])
 
 
-def test_logits_equal_independent_construction_and_cache_equals_recompute(model, tiny_cosyvoice2_dir):  # noqa: F811
+def test_logits_equal_independent_construction_and_cache_equals_recompute(model, tiny_cosyvoice2_dir):
     reference = UpstreamReference(tiny_cosyvoice2_dir)
     prompt = model.make_prompt(["bin blue at zero now", "set red"], ["lay green", ""], [[1, 2, 3], []])
     generated = torch.tensor([[5, 9, 12, 60, 7], [33, 2, 2, 40, 0]])
@@ -91,7 +91,7 @@ def test_logits_equal_independent_construction_and_cache_equals_recompute(model,
     assert first.dtype == torch.float32
 
 
-def test_training_logits_targets_and_padding(model, tiny_cosyvoice2_dir):  # noqa: F811
+def test_training_logits_targets_and_padding(model, tiny_cosyvoice2_dir):
     reference = UpstreamReference(tiny_cosyvoice2_dir)
     text = torch.tensor([[3, 4, 5], [6, 7, 0]])
     text_lens = torch.tensor([3, 2])
@@ -115,7 +115,7 @@ def _copy_dir(src, dst):
     return dst
 
 
-def test_missing_and_wrong_keys_are_clear_errors(tiny_cosyvoice2_dir, tmp_path):  # noqa: F811
+def test_missing_and_wrong_keys_are_clear_errors(tiny_cosyvoice2_dir, tmp_path):
     bad = _copy_dir(tiny_cosyvoice2_dir, tmp_path / "bad")
     state = torch.load(bad / "llm.pt", weights_only=True)
     del state["llm.model.model.layers.1.mlp.up_proj.weight"]
@@ -131,7 +131,7 @@ def test_missing_and_wrong_keys_are_clear_errors(tiny_cosyvoice2_dir, tmp_path):
     assert "llm_decoder.bias: file (5,)" in message
 
 
-def test_missing_dir_and_unset_dir_are_clear_errors(tiny_cosyvoice2_dir, tmp_path):  # noqa: F811
+def test_missing_dir_and_unset_dir_are_clear_errors(tiny_cosyvoice2_dir, tmp_path):
     with pytest.raises(ValueError, match="model_dir=.*COSYVOICE2_DIR"):
         CosyVoice2LM.from_dir(None)
     with pytest.raises(FileNotFoundError, match="does not exist"):

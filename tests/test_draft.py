@@ -12,13 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM  # noqa: E402
 from ssd.models.draft import Draft, build_draft, describe, load_draft, save_draft  # noqa: E402
-from tests.fixtures_models import make_tiny_cosyvoice2_dir, tiny_cosyvoice2_dir  # noqa: E402,F401
+from tests.fixtures_models import make_tiny_cosyvoice2_dir  # noqa: E402
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def target(tiny_cosyvoice2_dir):  # noqa: F811
+def target(tiny_cosyvoice2_dir):
     return CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
 
 

@@ -13,7 +13,7 @@ from ssd.config import group_options, merge_overrides, override_value
 from ssd.evaluation.metrics import chi_square_homogeneity, repeat_rate
 from ssd.experiments.driver import load_experiment
 from ssd.experiments.exactness import exactness_chi_square
-from tests.fixtures_eval import micro_world, sweep_overrides  # noqa: F401
+from tests.fixtures_eval import sweep_overrides
 
 PAPER_EXPERIMENTS = {
     "table1_main",
@@ -158,7 +158,7 @@ def test_repeat_rate_counts_sequences_with_a_repeated_token():
 
 
 @pytest.mark.slow
-def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world, tmp_path):  # noqa: F811
+def test_reproduce_writes_tables_figures_and_provenance_then_resumes(micro_world, tmp_path):
     from ssd.experiments.driver import reproduce
 
     overrides = [

@@ -12,13 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ssd.contracts import SpeechLM  # noqa: E402
 from ssd.models.draft import build_draft  # noqa: E402
 from ssd.models.llasa import LlasaLM  # noqa: E402
-from tests.fixtures_models import TINY_LLASA_SPEECH_TOKENS, tiny_llasa_dir  # noqa: E402,F401
+from tests.fixtures_models import TINY_LLASA_SPEECH_TOKENS  # noqa: E402
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llasa_dir):  # noqa: F811
+def model(tiny_llasa_dir):
     return LlasaLM.from_dir(tiny_llasa_dir)
 
 
@@ -43,7 +43,7 @@ def test_prompt_format(model):
     assert text.endswith("assistant <|end_header_id|> <|SPEECH_GENERATION_START|> <|s_1|> <|s_2|>")
 
 
-def test_logits_equal_hf_llama_on_the_speech_slice(model, tiny_llasa_dir):  # noqa: F811
+def test_logits_equal_hf_llama_on_the_speech_slice(model, tiny_llasa_dir):
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(str(tiny_llasa_dir), local_files_only=True).eval()
@@ -73,7 +73,7 @@ def test_tied_head_becomes_a_separate_trainable_draft_head(model):
     assert draft.model.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
 
 
-def test_bad_dirs_are_clear_errors(tiny_llasa_dir, tmp_path):  # noqa: F811
+def test_bad_dirs_are_clear_errors(tiny_llasa_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     with pytest.raises(ValueError, match="LLASA_DIR"):

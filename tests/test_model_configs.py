@@ -16,7 +16,6 @@ from ssd.models.draft import save_draft
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ssd.contracts import SpeechLM  # noqa: E402
-from tests.fixtures_models import tiny_cosyvoice2_dir, tiny_llasa_dir  # noqa: E402,F401
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 torch.set_num_threads(1)
@@ -39,7 +38,7 @@ def decode_a_few_tokens(model: SpeechLM, prompt, steps: int = 3) -> torch.Tensor
     return torch.cat(tokens, dim=1)
 
 
-def test_toy_target_and_draft_from_data_dir(tiny_cosyvoice2_dir, monkeypatch):  # noqa: F811
+def test_toy_target_and_draft_from_data_dir(tiny_cosyvoice2_dir, monkeypatch):
     data_dir = tiny_cosyvoice2_dir.parent
     (data_dir / "toy").mkdir(exist_ok=True)
     link = data_dir / "toy" / "target"
@@ -70,7 +69,7 @@ def test_no_target_config_copies_the_models_stop_tokens():
 
 
 @pytest.mark.parametrize("draft_name", ["ssd_8layer", "pcg_3layer"])
-def test_cosyvoice2_target_with_paper_drafts(tiny_cosyvoice2_dir, draft_name):  # noqa: F811
+def test_cosyvoice2_target_with_paper_drafts(tiny_cosyvoice2_dir, draft_name):
     cfg = compose_target_draft("cosyvoice2", draft_name, f"target.model.model_dir={tiny_cosyvoice2_dir}")
     target = instantiate(cfg.target.model)
     sampling = instantiate(cfg.target.sampling, stop_tokens=list(target.stop_tokens))
@@ -102,7 +101,7 @@ def test_ssd_8layer_on_a_24_layer_target(tmp_path):
     assert decode_a_few_tokens(draft, target.make_prompt(["set red"])).shape == (1, 3)
 
 
-def test_llasa_target(tiny_llasa_dir):  # noqa: F811
+def test_llasa_target(tiny_llasa_dir):
     cfg = compose_target_draft(
         "llasa", "pcg_3layer", f"target.model.model_dir={tiny_llasa_dir}", "target.speech_token_size=40"
     )

@@ -23,7 +23,7 @@ from ssd.evaluation.runner import (
     wandb_settings,
     wrong_sentence_texts,
 )
-from tests.fixtures_eval import compose_sweep_config, micro_world, sweep_overrides  # noqa: F401
+from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 
 
 def _cfg(world, *extra: str, n_utts: int = 3, max_len: int = 25):
@@ -112,7 +112,7 @@ def test_bootstrap_ci_is_seeded_and_covers_the_mean():
 # --- the runner on the micro world --------------------------------------------------------------------
 
 
-def test_evaluate_writes_results_and_resumes_without_redoing(micro_world, tmp_path):  # noqa: F811
+def test_evaluate_writes_results_and_resumes_without_redoing(micro_world, tmp_path):
     run_dir = tmp_path / "run"
     metrics = evaluate(_cfg(micro_world), run_dir)
 
@@ -149,7 +149,7 @@ def json_utts(path):
     return [json.loads(line)["utt"] for line in path.read_text().splitlines()]
 
 
-def test_resume_refuses_a_run_dir_of_another_configuration(micro_world, tmp_path):  # noqa: F811
+def test_resume_refuses_a_run_dir_of_another_configuration(micro_world, tmp_path):
     run_dir = tmp_path / "run"
     evaluate(_cfg(micro_world, n_utts=2, max_len=15), run_dir)
     with pytest.raises(ValueError, match="different configuration.*beta"):
@@ -167,14 +167,14 @@ def no_decoding(monkeypatch):
     monkeypatch.setattr("ssd.decoding.generate.decode_speculative", forbidden)
 
 
-def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):  # noqa: F811
+def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):
     cfg = _cfg(micro_world, f"eval.corpus_root={tmp_path / 'nowhere'}")
     with pytest.raises(FileNotFoundError, match="eval.corpus_root"):
         evaluate(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / RESULTS_FILE).exists()
 
 
-def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):  # noqa: F811
+def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):
     runner._LOADED.clear()
     cfg = _cfg(micro_world, "asr=whisper_base_toy", f"asr.model_dir={tmp_path / 'no_whisper'}")
     with pytest.raises(FileNotFoundError, match="model_dir"):
@@ -182,7 +182,7 @@ def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_dec
     assert not (tmp_path / "run" / RESULTS_FILE).exists()
 
 
-def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):  # noqa: F811
+def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):
     cfg = _cfg(micro_world, f"target.model.model_dir={tmp_path / 'no_target'}")
     with pytest.raises(FileNotFoundError, match="target.model.*no_target"):
         evaluate(cfg, tmp_path / "run")
@@ -203,7 +203,7 @@ def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):  # noqa:
     ],
 )
 def test_out_of_range_settings_are_named_before_any_model_loads(
-    micro_world,  # noqa: F811
+    micro_world,
     tmp_path,
     no_decoding,
     override,
@@ -216,7 +216,7 @@ def test_out_of_range_settings_are_named_before_any_model_loads(
     assert not (tmp_path / "run" / RESULTS_FILE).exists()
 
 
-def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):  # noqa: F811
+def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):
     models = runner.load_models(_cfg(micro_world))
     assert (
         models.sampling.stop_tokens
@@ -226,7 +226,7 @@ def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):  # 
 
 
 @pytest.mark.slow
-def test_ar_and_exact_speculative_agree_within_ci(micro_world, tmp_path):  # noqa: F811
+def test_ar_and_exact_speculative_agree_within_ci(micro_world, tmp_path):
     """beta = 0 (exact speculative sampling) samples the target's law: its WER/SIM/length distribution
     must match decoding=ar within the bootstrap CIs, on the same utterances."""
     n = 6
@@ -247,7 +247,7 @@ def test_ar_and_exact_speculative_agree_within_ci(micro_world, tmp_path):  # noq
     [(["acceptance=pcg", "theta=0.1"], "speculative"), (["decoding=draft_only"], "draft_only"),
      (["decoding.adaptive.enabled=true", "draft_len=1"], "speculative")],
 )  # fmt: skip
-def test_every_decoding_mode_runs_end_to_end(micro_world, tmp_path, extra, mode):  # noqa: F811
+def test_every_decoding_mode_runs_end_to_end(micro_world, tmp_path, extra, mode):
     metrics = evaluate(_cfg(micro_world, *extra, n_utts=1, max_len=15), tmp_path / "run")
     assert metrics["decoding"] == mode and metrics["num_utterances"] == 1
     record = read_records(tmp_path / "run" / RESULTS_FILE)[0]

@@ -15,10 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
-from tests.fixtures_eval import (  # noqa: F401
+from tests.fixtures_eval import (
     REPO,
     compose_sweep_config,
-    micro_world,
     run_sweep,
     write_micro_config,
 )
@@ -78,7 +77,7 @@ def _job_dirs(sweep_dir):
     return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_path):  # noqa: F811
+def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_path):
     """beta=-1 is invalid: that job writes error.json, the beta=0.4 job finishes and logs to W&B offline."""
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=20)
     sweep_dir = tmp_path / "sweep"
@@ -97,7 +96,7 @@ def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_pat
     assert "beta=0.4,draft_len=2" in table and "Failed jobs" in table and "beta=-1,draft_len=2" in table
 
 
-def test_a_rule_from_a_users_own_module_runs_through_a_sweep(micro_world, tmp_path):  # noqa: F811
+def test_a_rule_from_a_users_own_module_runs_through_a_sweep(micro_world, tmp_path):
     """tests/plugin_rule.py lies outside the package and speaks only ssd.contracts.AcceptanceRule: one
     `_target_` override plugs it in, its own parameter labels the runs and the table."""
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=15)
@@ -120,7 +119,7 @@ def test_a_rule_from_a_users_own_module_runs_through_a_sweep(micro_world, tmp_pa
 
 
 @pytest.mark.slow
-def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_path):  # noqa: F811
+def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_path):
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=2, max_len=20)
     sweep_dir = tmp_path / "sweep"
     args = ["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
@@ -146,7 +145,7 @@ def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_p
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):  # noqa: F811
+def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=5, max_len=30)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(REPO / "sweep.py"), "--config-dir", str(config_dir), "--config-name",

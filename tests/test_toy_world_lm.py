@@ -30,15 +30,15 @@ def build(data_dir: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def micro_world(tmp_path_factory):
+def full_micro_world(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("data")
     result = build(data_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return data_dir / "toy_micro", result.stdout
 
 
-def test_every_stage_finishes_and_is_summarised(micro_world):
-    root, stdout = micro_world
+def test_every_stage_finishes_and_is_summarised(full_micro_world):
+    root, stdout = full_micro_world
     for stage in STAGES:
         assert read_done(root / stage) is not None, stage
     summary = json.loads((root / "summary" / "summary.json").read_text())
@@ -51,10 +51,10 @@ def test_every_stage_finishes_and_is_summarised(micro_world):
     assert 0 < tokens["prompt_pairs"] < tokens["utterances"]  # same-speaker pairs in the zero-shot layout
 
 
-def test_prompt_pairs_join_two_utterances_of_one_speaker(micro_world):
+def test_prompt_pairs_join_two_utterances_of_one_speaker(full_micro_world):
     import pyarrow.parquet as pq
 
-    root, _ = micro_world
+    root, _ = full_micro_world
     pairs = pq.read_table(root / "tokens" / "shards" / "shard-pairs.parquet").to_pylist()
     singles = {
         r["utt"]: r for r in pq.read_table(root / "tokens" / "shards" / "shard-00000.parquet").to_pylist()
@@ -66,8 +66,8 @@ def test_prompt_pairs_join_two_utterances_of_one_speaker(micro_world):
         assert pair["text_tokens"] == a["text_tokens"] + b["text_tokens"]
 
 
-def test_trained_target_and_draft_load_and_generate(micro_world):
-    root, _ = micro_world
+def test_trained_target_and_draft_load_and_generate(full_micro_world):
+    root, _ = full_micro_world
     target = CosyVoice2LM.from_dir(root / "target")
     draft = load_draft(root / "draft" / "draft.pt", target)
     prompt = target.make_prompt(["set blue at zero now"], ["lay red by one please"], [[1, 2, 3, 4, 5]])
@@ -94,8 +94,8 @@ def test_trained_target_and_draft_load_and_generate(micro_world):
         assert all(0 <= t < target.speech_token_size for t in tokens)
 
 
-def test_a_rebuild_skips_every_stage(micro_world):
-    root, _ = micro_world
+def test_a_rebuild_skips_every_stage(full_micro_world):
+    root, _ = full_micro_world
     result = build(root.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("up to date") == len(STAGES)

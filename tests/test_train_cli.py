@@ -14,7 +14,6 @@ import torch
 
 from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.draft import load_draft
-from tests.test_training import micro_world  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,11 +62,11 @@ def wandb_history_keys(run_file: Path) -> set[str]:
     return keys
 
 
-def test_train_draft_cli_writes_draft_csv_and_wandb_offline_run(micro_world, tmp_path):  # noqa: F811
+def test_train_draft_cli_writes_draft_csv_and_wandb_offline_run(training_world, tmp_path):
     run_dir = tmp_path / "run"
     result = _run(
         [
-            *_world_overrides(micro_world, run_dir),
+            *_world_overrides(training_world, run_dir),
             "max_steps=6",
             "val_every_steps=3",
             "trainer.log_every_n_steps=2",
@@ -79,7 +78,7 @@ def test_train_draft_cli_writes_draft_csv_and_wandb_offline_run(micro_world, tmp
     assert "draft dev alpha (sum min(p,q), softmax):" in out and "(before training:" in out
     assert "layers.0" in out and "trainable" in out  # describe(draft) printed at start
 
-    draft = load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(micro_world["target"]))
+    draft = load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(training_world["target"]))
     assert any(p.requires_grad for p in draft.parameters())
     metrics = pd.read_csv(run_dir / "csv" / "version_0" / "metrics.csv")
     for key in ("train/loss_step", "train/ce_step", "train/kl_step", "train/acc_step", "dev/alpha_softmax",
@@ -117,10 +116,10 @@ def test_typo_override_fails_with_a_message_naming_the_key(override, message, tm
 
 
 @pytest.mark.slow
-def test_ddp_sim_trains_with_two_cpu_processes(micro_world, tmp_path):  # noqa: F811
+def test_ddp_sim_trains_with_two_cpu_processes(training_world, tmp_path):
     run_dir = tmp_path / "ddp"
     args = [
-        *_world_overrides(micro_world, run_dir),
+        *_world_overrides(training_world, run_dir),
         "trainer=ddp_sim",
         "max_steps=4",
         "val_every_steps=2",
@@ -130,4 +129,4 @@ def test_ddp_sim_trains_with_two_cpu_processes(micro_world, tmp_path):  # noqa: 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "draft dev alpha" in result.stdout + result.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
-    load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(micro_world["target"]))
+    load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(training_world["target"]))

@@ -7,56 +7,22 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ssd.data.prepare import SHARD_SCHEMA
 from ssd.decoding.sampling import SamplingConfig
 from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.draft import build_draft, load_draft
 from ssd.training.data import TokenShardDataModule, pad_collate
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, register_schema, validate_train_config
-from tests.fixtures_models import TINY_SPEECH_TOKENS, make_tiny_cosyvoice2_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def write_micro_shards(out_dir: Path, n_utts: int = 64, seed: int = 0) -> Path:
-    """Learnable synthetic shards in SHARD_SCHEMA (what ssd.data.prepare writes): each text token w
-    is spoken as the run 3w, 3w+1, 3w+2; 8 speakers, two of them in dev-clean."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for n in range(n_utts):
-        speaker = str(n % 8)
-        words = rng.integers(0, 20, rng.integers(2, 6))
-        speech = np.concatenate([[3 * w, 3 * w + 1, 3 * w + 2] for w in words]) % TINY_SPEECH_TOKENS
-        rows.append(
-            {"utt": f"{speaker}_1_{n:06d}", "speaker": speaker,
-             "subset": "dev-clean" if speaker in ("6", "7") else "train-clean-100", "text": "x",
-             "text_tokens": words.tolist(), "speech_tokens": speech.tolist(), "duration": 1.0}
-        )  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for i in range(0, n_utts, 32):
-        table = pa.Table.from_pylist(rows[i : i + 32], schema=SHARD_SCHEMA)
-        pq.write_table(table, out_dir / f"shard-{i // 32:05d}.parquet")
-    return out_dir
-
-
-@pytest.fixture(scope="session")
-def micro_world(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("micro_world")
-    return {
-        "target": make_tiny_cosyvoice2_dir(root / "target"),
-        "shards": write_micro_shards(root / "shards"),
-    }
 
 
 def compose_train_config(world: dict[str, Path], output_dir: Path, *overrides: str):
@@ -108,15 +74,15 @@ class _ModeProbe(L.Callback):
                            module.model.model.llm_decoder.training, module.teacher.training))  # fmt: skip
 
 
-def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(micro_world):
-    target = CosyVoice2LM.from_dir(micro_world["target"])
+def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(training_world):
+    target = CosyVoice2LM.from_dir(training_world["target"])
     draft = _draft(target)
     target_before = {k: v.clone() for k, v in target.state_dict().items()}
     draft_before = {k: v.clone() for k, v in draft.named_parameters()}
     module = SpeechLMTrainingModule(draft, target, optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=4,
                                     kd_weight=0.5)  # fmt: skip
     probe = _ModeProbe()
-    _fit(module, micro_world, steps=4, callbacks=[probe])
+    _fit(module, training_world, steps=4, callbacks=[probe])
 
     changed = {k for k, p in draft.named_parameters() if not torch.equal(p, draft_before[k])}
     trainable = {k for k, p in draft.named_parameters() if p.requires_grad}
@@ -126,28 +92,28 @@ def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(micro_wor
     assert all(m == (True, False, False, True, False) for m in probe.modes) and len(probe.modes) == 4
 
 
-def test_training_lowers_the_loss_on_micro_data(micro_world):
-    target = CosyVoice2LM.from_dir(micro_world["target"])
+def test_training_lowers_the_loss_on_micro_data(training_world):
+    target = CosyVoice2LM.from_dir(training_world["target"])
     module = SpeechLMTrainingModule(target, optim=OptimConfig(lr=3e-3, warmup_steps=5), max_steps=60)
-    batches = _all_batches(micro_world)
+    batches = _all_batches(training_world)
 
     def mean_ce():
         with torch.no_grad():
             return float(np.mean([module.compute(b, with_teacher=False)["ce"].item() for b in batches]))
 
     before = mean_ce()
-    _fit(module, micro_world, steps=60)
+    _fit(module, training_world, steps=60)
     after = mean_ce()
     assert after < before - 0.5, (before, after)
 
 
-def test_kd_is_zero_and_agreement_perfect_when_draft_equals_target(micro_world):
-    target = CosyVoice2LM.from_dir(micro_world["target"])
+def test_kd_is_zero_and_agreement_perfect_when_draft_equals_target(training_world):
+    target = CosyVoice2LM.from_dir(training_world["target"])
     sampling = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10,
                               stop_tokens=(61, 62, 63), eos_mode="resample")  # fmt: skip
     same = _draft(target, layers=range(4), trainable=("head",))
     module = SpeechLMTrainingModule(same, target, kd_weight=0.5, agreement_sampling=sampling)
-    batch = _all_batches(micro_world, "dev")[0]
+    batch = _all_batches(training_world, "dev")[0]
     out = module.compute(batch, with_teacher=True)
     assert out["kl"].abs().item() < 1e-6
     agree = module.agreement(out["logits"], out["teacher_logits"], batch)
@@ -180,8 +146,8 @@ def test_sampling_context_gives_each_position_its_teacher_forced_window():
     assert min_len.tolist() == [4, 4, 4, 4, 8, 8]
 
 
-def test_sampling_stop_tokens_must_fit_the_head(micro_world):
-    target = CosyVoice2LM.from_dir(micro_world["target"])
+def test_sampling_stop_tokens_must_fit_the_head(training_world):
+    target = CosyVoice2LM.from_dir(training_world["target"])
     with pytest.raises(ValueError, match="do not fit the model's head.*the target's own stop_tokens"):
         SpeechLMTrainingModule(_draft(target), target, agreement_sampling=SamplingConfig(stop_tokens=(1024,)))
 
@@ -190,15 +156,15 @@ def _adam_steps(ckpt: dict) -> set[int]:
     return {int(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
 
 
-def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(micro_world, tmp_path):
+def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(training_world, tmp_path):
     from ssd.training.train import train
 
     run = tmp_path / "run"
-    first = train(compose_train_config(micro_world, run, "max_steps=6", "val_every_steps=3"))
+    first = train(compose_train_config(training_world, run, "max_steps=6", "val_every_steps=3"))
     assert first["global_step"] == 6
     assert 0.0 < first["before/dev/alpha_softmax"] < 1.0 and 0.0 < first["dev/alpha_softmax"] < 1.0
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    target = CosyVoice2LM.from_dir(micro_world["target"])
+    target = CosyVoice2LM.from_dir(training_world["target"])
     draft = load_draft(run / "draft.pt", target)
     trainable = {f"model.{k}" for k, p in draft.named_parameters() if p.requires_grad}
     assert set(last["state_dict"]) == trainable  # last.ckpt holds the trained tensors only
@@ -208,7 +174,7 @@ def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(micro_
     assert (run / "checkpoints" / "draft-best.pt").is_file()
     assert _adam_steps(last) == {6}
 
-    second = train(compose_train_config(micro_world, run, "max_steps=10", "val_every_steps=3"))
+    second = train(compose_train_config(training_world, run, "max_steps=10", "val_every_steps=3"))
     assert second["global_step"] == 10
     assert second["before/dev/alpha_softmax"] == first["before/dev/alpha_softmax"]  # kept from the first run
     resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
@@ -220,31 +186,31 @@ def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(micro_
     ]  # nothing overwritten
 
 
-def test_train_target_trains_all_parameters_and_writes_a_model_dir(micro_world, tmp_path):
+def test_train_target_trains_all_parameters_and_writes_a_model_dir(training_world, tmp_path):
     from ssd.training.train import train
 
     run = tmp_path / "target_run"
-    metrics = train(compose_train_config(micro_world, run, "train_target=true", "kd_weight=0", "max_steps=3",
+    metrics = train(compose_train_config(training_world, run, "train_target=true", "kd_weight=0", "max_steps=3",
                                          "val_every_steps=3"))  # fmt: skip
     assert metrics["dev/ce"] < metrics["before/dev/ce"]
     trained = CosyVoice2LM.from_dir(run / "target")
-    original = CosyVoice2LM.from_dir(micro_world["target"])
+    original = CosyVoice2LM.from_dir(training_world["target"])
     moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, original.state_dict()[k])]
     assert any(k.startswith("backbone.layers.0.") for k in moved) and "llm_decoder.weight" in moved
 
 
-def test_schema_rejects_typos_that_struct_mode_lets_through(micro_world, tmp_path):
-    cfg = compose_train_config(micro_world, tmp_path, "+data.max_tokenz=5")
+def test_schema_rejects_typos_that_struct_mode_lets_through(training_world, tmp_path):
+    cfg = compose_train_config(training_world, tmp_path, "+data.max_tokenz=5")
     with pytest.raises(
         ValueError, match=r"config data: unknown key\(s\) \['max_tokenz'\].*TokenShardDataModule"
     ):
         validate_train_config(cfg)
-    appended = compose_train_config(micro_world, tmp_path, "+optim.lrr=1")  # Hydra's open_dict lets `+` in
+    appended = compose_train_config(training_world, tmp_path, "+optim.lrr=1")  # Hydra's open_dict lets `+` in
     with pytest.raises(ValueError, match=r"Key 'lrr' not in 'OptimConfig'"):
         validate_train_config(appended)
     with pytest.raises(ValueError, match="kd_weight > 0 needs a teacher"):
         validate_train_config(
-            compose_train_config(micro_world, tmp_path, "train_target=true", "kd_weight=0.5")
+            compose_train_config(training_world, tmp_path, "train_target=true", "kd_weight=0.5")
         )
     with pytest.raises(ValueError, match="optim.schedule"):
-        validate_train_config(compose_train_config(micro_world, tmp_path, "optim.schedule=cosin"))
+        validate_train_config(compose_train_config(training_world, tmp_path, "optim.schedule=cosin"))
