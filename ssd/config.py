@@ -8,7 +8,6 @@ experiment driver and the toy-world builder both turn config values into command
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -16,16 +15,6 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONFIG_MODULE = "ssd.configs"
-MAX_DIRNAME = 120
-
-
-def job_dirname(override_dirname: str) -> str:
-    """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
-    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
-    name = override_dirname.replace("/", "_") or "default"
-    if len(name) <= MAX_DIRNAME:
-        return name
-    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
 
 
 def register() -> None:
@@ -34,8 +23,6 @@ def register() -> None:
     from ssd.evaluation.schema import register_sweep_schema
     from ssd.training.schema import register_schema
 
-    if not OmegaConf.has_resolver("ssd.job_dirname"):  # configs/hydra/default.yaml names job dirs with it
-        OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
     register_schema()
     register_sweep_schema()
 

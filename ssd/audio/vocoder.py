@@ -1,7 +1,7 @@
 """Speech tokens -> waveform (`ssd.contracts.Vocoder`: `vocode(tokens, prompt) -> wav` at `sample_rate`).
 
 Backends (Hydra `_target_`s in configs/vocoder/):
-  toy         the toy codec's decoder (ssd/toy_world/codec.py), conditioned on the prompt audio's voice.
+  (the toy world's vocoder is ssd.toy_world.codec.ToyVocoder)
   cosyvoice2  CosyVoice 2's flow matching + HiFT, imported from a user-provided CosyVoice checkout
               (`vocoder.cosyvoice_repo=`) with the model dir (`vocoder.model_dir=`). It follows upstream's
               zero-shot path: the flow is conditioned on the prompt's speech tokens, its 24 kHz mel and its
@@ -21,25 +21,6 @@ import numpy as np
 
 from ssd.audio.features import resample
 from ssd.contracts import VocoderPrompt
-
-
-class ToyVocoder:
-    """The toy codec's decoder; the prompt's tokens are left context and its audio sets the voice."""
-
-    def __init__(self, codec_dir: str | Path | None) -> None:
-        if codec_dir is None or not Path(codec_dir).is_dir():
-            raise FileNotFoundError(
-                f"vocoder.codec_dir={codec_dir}: no toy codec there; build the toy world "
-                "(python scripts/build_toy_world.py) or set vocoder.codec_dir"
-            )
-        from ssd.toy_world.codec import ToyCodec
-
-        self.codec = ToyCodec.load(codec_dir)
-        self.sample_rate = self.codec.sample_rate
-
-    def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray:
-        wav = resample(prompt.wav, prompt.sample_rate, self.sample_rate)
-        return self.codec.decode(np.asarray(tokens, dtype=np.int64), prompt.tokens, wav)
 
 
 class CosyVoice2Vocoder:

@@ -35,9 +35,8 @@ import soundfile as sf
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ssd.config import register
 from ssd.evaluation.metrics import summarize
-from ssd.evaluation.schema import validate_sweep_config
+from ssd.evaluation.schema import register_sweep_schema, validate_sweep_config
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,9 @@ WARMUP_TOKENS = 16
 
 _LOADED: dict[str, tuple[str, Any]] = {}  # kind -> (config key, model): a sweep's jobs share models
 
-# The configs' resolvers and schemas, in every process that runs a job (sweep.py imports this module;
+# sweep.yaml's schema and resolver, in every process that runs a job (sweep.py imports this module;
 # joblib/submitit workers import it to unpickle the task).
-register()
+register_sweep_schema()
 
 # --------------------------------------------------------------------------------------------------
 # Small pieces

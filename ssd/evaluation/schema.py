@@ -10,6 +10,7 @@ their keys are checked against the called class's signature.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,16 @@ from ssd.training.schema import check_target_kwargs
 
 DECODING_MODES = ("speculative", "ar", "draft_only")
 SCHEMA_NAME = "sweep_schema"
+MAX_DIRNAME = 120
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
+    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
+    name = override_dirname.replace("/", "_") or "default"
+    if len(name) <= MAX_DIRNAME:
+        return name
+    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
 
 
 @dataclass
@@ -73,8 +84,8 @@ class SweepConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     speech_tokenizer: Any = None
     vocoder: Any = None
-    asr: Any = MISSING
-    sim: Any = MISSING
+    asr: Any = None
+    sim: Any = None
     logger: Any = field(default_factory=dict)
     paths: Any = MISSING
     beta: float = 0.4
@@ -88,8 +99,11 @@ class SweepConfig:
 
 
 def register_sweep_schema() -> None:
-    """Make `sweep_schema` available to the defaults list of sweep.yaml."""
+    """What sweep.yaml names: `sweep_schema` in its defaults list and the `ssd.job_dirname` resolver
+    (configs/hydra/default.yaml names job dirs with it); idempotent."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=SweepConfig)
+    if not OmegaConf.has_resolver("ssd.job_dirname"):
+        OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
 
 
 def validate_sweep_config(cfg: DictConfig) -> None:
@@ -113,6 +127,12 @@ def validate_sweep_config(cfg: DictConfig) -> None:
             problems.append("acceptance is null: choose a rule (acceptance=exact|tolerance|pcg|...)")
     if mode in ("speculative", "draft_only") and cfg.draft is None:
         problems.append(f"draft is null: decoding={mode} needs a draft (draft=toy)")
+    for key in ("speech_tokenizer", "vocoder", "asr", "sim"):
+        if cfg.get(key) is None:
+            problems.append(
+                f"{key} is not set and target={cfg.target.name} brings none (no configs/{key}/{cfg.target.name}.yaml): "
+                f"choose one ({key}=<option of configs/{key}/>)"
+            )
     if cfg.beta < 0:
         problems.append(f"beta={cfg.beta} must be >= 0")
     if not -1 < cfg.theta < 1:

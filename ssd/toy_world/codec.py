@@ -26,7 +26,8 @@ import soundfile as sf
 import torch
 from torch import nn
 
-from ssd.audio.features import mel_filterbank
+from ssd.audio.features import mel_filterbank, resample
+from ssd.contracts import VocoderPrompt
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, read_alignment
 
 # Bump when the saved format changes; load() refuses other versions.
@@ -600,3 +601,20 @@ def griffin_lim(magnitude: torch.Tensor, cfg: ToyCodecConfig, momentum: float = 
         previous = rebuilt
     wav = torch.istft(magnitude * angles, length=length, **stft_args)
     return wav.numpy().astype(np.float32)
+
+
+class ToyVocoder:
+    """The toy codec's decoder; the prompt's tokens are left context and its audio sets the voice."""
+
+    def __init__(self, codec_dir: str | Path | None) -> None:
+        if codec_dir is None or not Path(codec_dir).is_dir():
+            raise FileNotFoundError(
+                f"vocoder.codec_dir={codec_dir}: no toy codec there; build the toy world "
+                "(python scripts/build_toy_world.py) or set vocoder.codec_dir"
+            )
+        self.codec = ToyCodec.load(codec_dir)
+        self.sample_rate = self.codec.sample_rate
+
+    def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray:
+        wav = resample(prompt.wav, prompt.sample_rate, self.sample_rate)
+        return self.codec.decode(np.asarray(tokens, dtype=np.int64), prompt.tokens, wav)
