@@ -9,7 +9,6 @@ import pytest
 import soundfile as sf
 from omegaconf import OmegaConf
 
-from ssd.config import MAX_DIRNAME, job_dirname
 from ssd.evaluation import runner
 from ssd.evaluation.metrics import bootstrap_ci, summarize
 from ssd.evaluation.runner import (
@@ -23,6 +22,7 @@ from ssd.evaluation.runner import (
     wandb_settings,
     wrong_sentence_texts,
 )
+from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 
 

@@ -18,7 +18,6 @@ import torch
 from engine_models import trigram_pair
 from scipy.stats import chisquare
 
-import ssd.decoding.generate as generate
 from ssd.decoding.acceptance import ExactRule, GreedyRule, TargetOnlyRule, ToleranceRule
 from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig, distribution
@@ -78,12 +77,12 @@ def p_value(samples: list[list[int]], law: dict[tuple, float]) -> float:
     return chi_square(samples, law)[2]
 
 
-def spec_samples(cfg, rule, draft_len, seed=0, draft_sampling=None, max_len=3):
+def spec_samples(cfg, rule, draft_len, seed=0, draft_sampling=None, max_len=3, **seams):
     target, draft = trigram_pair(VOCAB, seed=2, draft_noise=1.5)
     g = torch.Generator().manual_seed(seed)
     result = decode_speculative(
         target, draft, PROMPT.expand(N_SEQ, -1), cfg, rule,
-        draft_len=draft_len, max_len=max_len, min_len=MIN_LEN, generator=g, draft_sampling=draft_sampling,
+        draft_len=draft_len, max_len=max_len, min_len=MIN_LEN, generator=g, draft_sampling=draft_sampling, **seams,
     )  # fmt: skip
     return result.tokens
 
@@ -151,12 +150,11 @@ def test_broken_rules_are_rejected(laws, rule):
     assert p_value(spec_samples(PLAIN, rule, 2), laws["plain"]) < P_REJECT
 
 
-def test_ras_window_without_draft_tokens_is_rejected(laws, monkeypatch):
+def test_ras_window_without_draft_tokens_is_rejected(laws):
     def stale_windows(last_window, draft_tokens, window):
         return last_window.unsqueeze(1).expand(-1, draft_tokens.shape[1] + 1, -1)
 
-    monkeypatch.setattr(generate, "verification_windows", stale_windows)
-    assert p_value(spec_samples(RAS, ExactRule(), 3), laws["ras"]) < P_REJECT
+    assert p_value(spec_samples(RAS, ExactRule(), 3, history_windows=stale_windows), laws["ras"]) < P_REJECT
 
 
 def test_plain_top_k_verifier_is_not_exact_against_ras(laws):
@@ -165,15 +163,15 @@ def test_plain_top_k_verifier_is_not_exact_against_ras(laws):
     assert p_value(spec_samples(no_ras, ExactRule(), 3), laws["ras"]) < P_REJECT
 
 
-def test_greedy_draft_with_softmax_p_is_rejected(laws, monkeypatch):
-    real = generate.draft_token
-
+def test_greedy_draft_with_softmax_p_is_rejected(laws):
     def greedy_token_softmax_law(cfg, logits, window, step, min_len, generator):
-        _, law = real(cfg, logits, window, step, min_len, generator)
+        law = distribution(cfg, logits.float(), window, step, min_len)
         return law.argmax(-1), law  # picks argmax but claims to have sampled from law
 
-    monkeypatch.setattr(generate, "draft_token", greedy_token_softmax_law)
-    assert p_value(spec_samples(PLAIN, ExactRule(), 2), laws["plain"]) < P_REJECT
+    assert (
+        p_value(spec_samples(PLAIN, ExactRule(), 2, propose=greedy_token_softmax_law), laws["plain"])
+        < P_REJECT
+    )
 
 
 def test_greedy_draft_with_its_true_law_is_exact(laws):

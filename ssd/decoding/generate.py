@@ -15,6 +15,7 @@ round) so that the batch stays rectangular; their output is frozen.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -228,7 +229,7 @@ def decode_ar(
     return DecodeResult(out.tokens(), out.reason, stats)
 
 
-def verification_windows(last_window: torch.Tensor, draft_tokens: torch.Tensor, window: int) -> torch.Tensor:
+def _verification_windows(last_window: torch.Tensor, draft_tokens: torch.Tensor, window: int) -> torch.Tensor:
     """History windows for draft positions 0..k: position i sees the generated tokens
     extended by the draft tokens x_<i (the target's law q_i depends on them). [B, k+1, W]"""
     if window == 0:
@@ -236,7 +237,7 @@ def verification_windows(last_window: torch.Tensor, draft_tokens: torch.Tensor, 
     return torch.cat([last_window, draft_tokens], dim=1).unfold(1, window, 1)
 
 
-def draft_token(cfg: SamplingConfig, logits, window, step, min_len, generator):
+def _draft_token(cfg: SamplingConfig, logits, window, step, min_len, generator):
     """The draft's token and the law it was ACTUALLY drawn from."""
     law = distribution(cfg, logits.to(torch.float32), window, step, min_len)
     return sample(law, generator), law
@@ -257,6 +258,8 @@ def decode_speculative(
     generator: torch.Generator | None = None,
     track_tv: bool | None = None,
     verify_rows: int | None = None,
+    propose: Callable = _draft_token,
+    history_windows: Callable = _verification_windows,
 ) -> DecodeResult:
     """Speculative decoding of `target` with `draft`, verified by `rule`.
 
@@ -266,6 +269,10 @@ def decode_speculative(
     verify_rows: pad every verify call to this many rows (filler rows are rolled back unread).
               On CPUs a matmul of 8 rows can cost less than one of 4-5 (docs/cpu-physics.md);
               `scripts/bench_decoding.py --verify-rows 8` measures whether it pays on yours.
+    propose, history_windows: seams for research variants and the certificates' negative controls.
+              propose(cfg, logits, window, step, min_len, generator) -> (draft token, the law it was drawn
+              from); history_windows(last_window, draft_tokens, W) -> the RAS history [B, k+1, W] of each
+              verified position (the generated tokens extended by the earlier draft tokens).
     """
     draft_sampling = draft_sampling or sampling
     track_tv = (not rule.exact and getattr(rule, "cheap_output_law", False)) if track_tv is None else track_tv
@@ -292,8 +299,8 @@ def decode_speculative(
         logits_d = draft.extend(cache_d, pending_d)[:, -1]
         xs, ps = [], []
         for i in range(k):
-            hist = verification_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
-            x, p = draft_token(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
+            hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
+            x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
             xs.append(x)
             ps.append(p)
             if i < k - 1:
@@ -314,7 +321,7 @@ def decode_speculative(
         qs = distribution(
             sampling,
             logits_v.reshape(-1, vocab),
-            verification_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
+            history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
             steps,
             min_len.repeat_interleave(k + 1),
         ).reshape(batch, k + 1, vocab)
