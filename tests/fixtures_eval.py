@@ -58,7 +58,7 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     from ssd.models.text_tokenizer import write_word_tokenizer
     from ssd.toy_world import STAGES, build_toy_world
     from ssd.toy_world.codec import ToyCodec
-    from ssd.toy_world.language import GridLanguage
+    from ssd.data.grid_language import GridLanguage
 
     for tool in ("flite", "sox"):
         if shutil.which(tool) is None:

@@ -236,7 +236,7 @@ def load_models(cfg: DictConfig) -> EvalModels:
     rule = _instantiate(cfg.acceptance, "acceptance") if mode == "speculative" else None
     language = None
     if cfg.eval.get("language") == "grid":
-        from ssd.toy_world.language import GridLanguage
+        from ssd.data.grid_language import GridLanguage
 
         slots_file = Path(str(cfg.eval.corpus_root)) / "language.json"  # the toy world records its language
         slots = cfg.eval.get("slots")

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from ssd.toy_world.codec import ToyCodec
 from ssd.toy_world.corpus import build_corpus, speaker_bank, subset_wavs
-from ssd.toy_world.language import GridLanguage
+from ssd.data.grid_language import GridLanguage
 from ssd.toy_world.stages import StageContext
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from ssd.toy_world.language import GridLanguage
+from ssd.data.grid_language import GridLanguage
 
 FLITE_VOICES = ("kal", "kal16", "awb", "rms", "slt")
 
