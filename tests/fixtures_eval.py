@@ -54,11 +54,11 @@ def build_micro_world(data_dir: Path) -> MicroWorld:
     from omegaconf import OmegaConf
     from rich.console import Console
 
+    from ssd.data.grid_language import GridLanguage
     from ssd.models.checkpoints import write_cosyvoice2_dir
     from ssd.models.text_tokenizer import write_word_tokenizer
     from ssd.toy_world import STAGES, build_toy_world
     from ssd.toy_world.codec import ToyCodec
-    from ssd.data.grid_language import GridLanguage
 
     for tool in ("flite", "sox"):
         if shutil.which(tool) is None:

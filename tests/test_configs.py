@@ -59,7 +59,9 @@ def test_every_sweep_option_composes_and_its_targets_take_their_keys(group, tmp_
 @pytest.mark.parametrize("group", TRAIN_GROUPS)
 def test_every_train_option_composes_and_validates(group, tmp_path):
     for option in group_options(group):
-        cfg = compose("train_draft", [f"{group}={option}", f"paths.data_dir={tmp_path}", f"output_dir={tmp_path}"])
+        cfg = compose(
+            "train_draft", [f"{group}={option}", f"paths.data_dir={tmp_path}", f"output_dir={tmp_path}"]
+        )
         validate_train_config(cfg)
         _check_targets(cfg)
 
@@ -77,11 +79,15 @@ def test_the_target_brings_its_codec_and_judges_and_one_override_changes_each():
     real = compose("sweep", ["target=cosyvoice2", "target.model.model_dir=/models/cv2"])
     assert real.speech_tokenizer.path == "/models/cv2/speech_tokenizer_v2.onnx"
     assert real.vocoder._target_.endswith("CosyVoice2Vocoder") and real.vocoder.model_dir == "/models/cv2"
-    assert real.asr._target_.endswith("OpenAIWhisperASR") and real.sim.onnx_path == "/models/cv2/campplus.onnx"
+    assert (
+        real.asr._target_.endswith("OpenAIWhisperASR") and real.sim.onnx_path == "/models/cv2/campplus.onnx"
+    )
     toy = compose("sweep", [])
     assert toy.speech_tokenizer._target_.endswith("ToyCodec.load") and toy.asr.vocabulary_mode == "grammar"
     mixed = compose("sweep", ["target=cosyvoice2", "asr=whisper_base_toy", "sim=resemblyzer"])
-    assert mixed.asr._target_.endswith("FasterWhisperASR") and mixed.sim._target_.endswith("ResemblyzerSpeaker")
+    assert mixed.asr._target_.endswith("FasterWhisperASR") and mixed.sim._target_.endswith(
+        "ResemblyzerSpeaker"
+    )
     assert mixed.vocoder._target_.endswith("CosyVoice2Vocoder")
 
 

@@ -13,10 +13,10 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
+from ssd.data.grid_language import GridLanguage
 from ssd.toy_world import STAGES, build_toy_world
 from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, phone_state_labels
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, read_alignment, synthesize
-from ssd.data.grid_language import GridLanguage
 from ssd.toy_world.stages import DONE_FILE, Stage
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

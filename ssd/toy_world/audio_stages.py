@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from ssd.data.grid_language import GridLanguage
 from ssd.toy_world.codec import ToyCodec
 from ssd.toy_world.corpus import build_corpus, speaker_bank, subset_wavs
-from ssd.data.grid_language import GridLanguage
 from ssd.toy_world.stages import StageContext
 
 
