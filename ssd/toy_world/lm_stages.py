@@ -178,7 +178,7 @@ def run_summary(ctx: StageContext) -> dict:
     # Floor and ceiling on the same test utterances, with the same judge and the same vocoder
     # conditioning (the pair's prompt utterance) as the generations get.
     from ssd.audio.features import load_audio
-    from ssd.audio.vocoder import VocoderPrompt
+    from ssd.contracts import VocoderPrompt
 
     pairs = build_test_list(cfg.eval)
     models = load_models(cfg)
