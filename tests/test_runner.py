@@ -19,10 +19,10 @@ from ssd.evaluation.runner import (
     evaluate,
     read_records,
     utterance_seed,
-    wandb_settings,
     wrong_sentence_texts,
 )
 from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
+from ssd.evaluation.wandb_mirror import wandb_settings
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 
 
@@ -257,3 +257,18 @@ def test_every_decoding_mode_runs_end_to_end(micro_world, tmp_path, extra, mode)
         assert max(record["draft_len_per_round"]) > 1  # the heuristic grew L_d from 1
     else:
         assert metrics["acceptance"] == "pcg" and 0 < metrics["acceptance_rate"] <= 1
+
+
+def test_wandb_mode_is_online_only_with_a_key_or_an_explicit_choice(monkeypatch):
+    """One rule for the trainer's WandbLogger and the eval mirror: never a login prompt."""
+    from ssd.tracking import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == "online" and wandb_mode(offline=True) == "offline"
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert wandb_mode() == "offline" and wandb_mode(mode="disabled") == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode(offline=False) == "online" and wandb_mode() == "online"

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ssd.evaluation.metrics import summarize
 from ssd.evaluation.schema import register_sweep_schema, validate_sweep_config
+from ssd.evaluation.wandb_mirror import log_to_wandb
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +430,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         metrics.update(speedup_vs(metrics, Path(str(cfg.baseline_dir))))
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
-    log_to_wandb(cfg, run_dir, metrics, records)
+    log_to_wandb(cfg, run_dir, metrics, records, audio_dir, n_audio)
     return metrics
 
 
@@ -484,81 +485,6 @@ def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:
         raise FileNotFoundError(f"baseline_dir={baseline_dir} has no {METRICS_FILE}; run the baseline first")
     baseline = json.loads(path.read_text())
     return {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
-
-
-# --------------------------------------------------------------------------------------------------
-# W&B mirror (the run dir stays the source of truth)
-# --------------------------------------------------------------------------------------------------
-
-
-def wandb_settings(logger_cfg: Any) -> dict | None:
-    """The W&B settings in a logger config, or None when it does not log to W&B.
-
-    Accepts a Lightning WandbLogger config (flat or under a `wandb:` key) or `{backend: wandb, ...}`.
-    """
-    plain = _plain(logger_cfg) or {}
-    if not isinstance(plain, dict):
-        return None
-    section = plain.get("wandb", plain)
-    if not isinstance(section, dict):
-        return None
-    target = str(section.get("_target_", ""))
-    if "wandb" not in target.lower() and section.get("backend") != "wandb":
-        return None
-    return {k: section.get(k) for k in ("project", "entity", "group", "tags", "offline", "mode", "save_dir")}
-
-
-def _wandb_run_names() -> tuple[str | None, str | None]:
-    """(group, name): runs of one sweep share the sweep dir's name as group."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None, None
-    hc = HydraConfig.get()
-    if str(hc.mode) == "RunMode.MULTIRUN":
-        return Path(hc.sweep.dir).name, hc.job.override_dirname or f"job{hc.job.num}"
-    return None, Path(hc.runtime.output_dir).name
-
-
-def log_to_wandb(cfg: DictConfig, run_dir: Path, metrics: dict, records: list[dict]) -> None:
-    settings = wandb_settings(cfg.get("logger"))
-    if settings is None:
-        return
-    import wandb
-
-    offline = settings.get("offline")
-    mode = settings.get("mode") or {True: "offline", False: "online"}.get(offline)
-    if mode is None and not os.environ.get("WANDB_MODE"):  # offline without a key: never prompt for a login
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    group, name = _wandb_run_names()
-    run = wandb.init(
-        project=settings.get("project") or "ssd",
-        entity=settings.get("entity"),
-        group=settings.get("group") or group,
-        name=name,
-        tags=settings.get("tags"),
-        job_type="eval",
-        mode=mode,
-        dir=str(settings.get("save_dir") or run_dir),
-        config=_plain(cfg),
-        reinit="finish_previous",
-    )
-    try:
-        run.summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))})
-        for i, (alpha, beta) in enumerate(zip(metrics["alpha_per_position"], metrics["beta_per_position"])):
-            run.summary[f"alpha_pos{i + 1}"], run.summary[f"beta_pos{i + 1}"] = alpha, beta
-        columns = ["utt", "text", "hypothesis", "wer", "sim", "n_tokens", "rtf", "audio"]
-        table = wandb.Table(columns=columns)
-        n_audio = int(cfg.eval.get("num_audio_samples", 4))
-        for i, r in enumerate(records):
-            wav_path = run_dir / AUDIO_DIR / f"{r['utt']}.wav"
-            audio = wandb.Audio(str(wav_path)) if i < n_audio and wav_path.is_file() else None
-            table.add_data(
-                r["utt"], r["text"], r["hypothesis"], r["wer"], r["sim"], r["n_tokens"], r["rtf"], audio
-            )
-        run.log({"utterances": table})
-    finally:
-        run.finish()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ Run directory (`cfg.output_dir`):
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from ssd.models.draft import Draft, describe, save_draft
+from ssd.tracking import wandb_mode
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, validate_train_config
 
@@ -63,25 +63,17 @@ class ExportCheckpoint(ModelCheckpoint):
         self._last_checkpoint_saved = filepath
 
 
-def wandb_offline() -> bool:
-    """Online only with a key (WANDB_API_KEY) or WANDB_MODE=online: never a login prompt."""
-    mode = os.environ.get("WANDB_MODE", "").lower()
-    if mode in ("offline", "dryrun", "disabled"):
-        return True
-    return not (mode == "online" or os.environ.get("WANDB_API_KEY"))
-
-
 def build_loggers(logger_cfg: DictConfig | None) -> list[Logger]:
     """One Lightning logger per `_target_` entry of cfg.logger (`logger=none` gives none).
 
-    A WandbLogger with `offline: null` goes offline unless a key is set (see wandb_offline)."""
+    A WandbLogger with `offline: null` follows ssd.tracking.wandb_mode (offline unless a key is set)."""
     loggers: list[Logger] = []
     for name, node in (logger_cfg or {}).items():
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise ValueError(f"config logger.{name} must be a node with _target_ (a Lightning logger)")
         kwargs = {}
         if node._target_.endswith("WandbLogger") and node.get("offline") is None:
-            kwargs["offline"] = wandb_offline()
+            kwargs["offline"] = wandb_mode() != "online"
         loggers.append(instantiate(node, **kwargs))
     return loggers
 
