@@ -1,7 +1,7 @@
 """A GRID-style toy language: six fixed slots, ~50 words, sentences drawn by a seeded generator.
 
 A small closed vocabulary with a fixed structure is what lets a 3 M-parameter TTS LM learn to
-follow its text within CPU-minutes (see TOY-PROBE.md); the slot structure also lets evaluation
+follow its text within CPU-minutes (see docs/toy-world.md); the slot structure also lets evaluation
 report per-slot word accuracy, which tells text-following apart from fluent babble.
 """
 

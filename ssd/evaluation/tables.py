@@ -142,7 +142,7 @@ def _run_sums(run_dir: Path) -> dict[str, float]:
 
 
 def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
-    """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens per target pass with i.i.d. acceptance (REFERENCE §1.4)."""
+    """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens per target pass with i.i.d. acceptance (docs/algorithms.md §1.4)."""
     return draft_len + 1.0 if alpha >= 1 else (1 - alpha ** (draft_len + 1)) / (1 - alpha)
 
 

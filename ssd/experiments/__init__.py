@@ -11,7 +11,7 @@ node tells the driver (`ssd.experiments.driver`) what else to do:
       dev: [override, ...]            # the same grid(s) on a held-out split: choose the setting there
       match: {reference: {...}, candidates: {...}}   # pair rows at matched speed (PCG vs SSD)
       study: <name in STUDIES>        # experiment-specific work (below), with its own keys
-      paper: [{setting, lm_rtf, speedup, wer_pct, ...}]   # the paper's numbers (REFERENCE §1), shown as is
+      paper: [{setting, lm_rtf, speedup, wer_pct, ...}]   # the paper's numbers (docs/algorithms.md §1), shown as is
 
 A study is a function `study(experiment) -> StudyResult`, run after the experiment's test sweeps and
 before its tables (`experiment` is a `driver.Experiment`: the config, the results dir, and how to run a

@@ -246,12 +246,7 @@ class ToyCodec:
             raise ValueError(
                 f"ToyCodec.encode: expected mono audio of shape [samples], got shape {wav.shape}"
             )
-        if sr != self.sample_rate:
-            from scipy.signal import resample_poly
-
-            g = math.gcd(int(sr), self.sample_rate)
-            wav = resample_poly(wav, self.sample_rate // g, int(sr) // g).astype(np.float32)
-        return wav
+        return resample(wav, sr, self.sample_rate)
 
     def _project(self, feats: np.ndarray) -> np.ndarray:
         return (feats - self.pca_mean) @ self.pca_components.T
