@@ -11,16 +11,15 @@ from omegaconf import OmegaConf
 
 from ssd.evaluation import runner
 from ssd.evaluation.metrics import bootstrap_ci, summarize
-from ssd.evaluation.runner import (
+from ssd.evaluation.run_dir import (
     CONFIG_FILE,
     METRICS_FILE,
+    QUARANTINE_FILE,
     RESULTS_FILE,
     TEST_LIST_FILE,
-    evaluate,
     read_records,
-    utterance_seed,
-    wrong_sentence_texts,
 )
+from ssd.evaluation.runner import evaluate, utterance_seed, wrong_sentence_texts
 from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
 from ssd.evaluation.wandb_mirror import wandb_settings
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
@@ -39,11 +38,13 @@ def test_utterance_seed_is_stable_and_depends_on_seed_and_utt():
     assert 0 <= utterance_seed(123, "x") < 2**63
 
 
-def test_read_records_drops_a_half_written_last_line(tmp_path):
+def test_read_records_sets_a_half_written_last_line_aside(tmp_path):
     path = tmp_path / RESULTS_FILE
     path.write_text(json.dumps({"utt": "a"}) + "\n" + json.dumps({"utt": "b"}) + "\n" + '{"utt": "c", "tok')
     assert [r["utt"] for r in read_records(path)] == ["a", "b"]
-    assert path.read_text().endswith("}\n")  # the broken tail is cut, so appends stay valid JSONL
+    assert path.read_text().endswith("}\n")  # the broken tail leaves the file, so appends stay valid JSONL
+    (bad,) = [json.loads(line) for line in (tmp_path / QUARANTINE_FILE).read_text().splitlines()]
+    assert bad["line"] == 3 and bad["text"] == '{"utt": "c", "tok'  # kept, not deleted
     assert read_records(tmp_path / "missing.jsonl") == []
 
 

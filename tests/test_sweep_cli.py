@@ -14,7 +14,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
+from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
 from tests.fixtures_eval import (
     REPO,
     compose_sweep_config,

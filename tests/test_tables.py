@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from ssd.evaluation.metrics import summarize
-from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE
+from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE
 from ssd.evaluation.tables import (
     aggregate,
     display_table,

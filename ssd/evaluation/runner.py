@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -36,19 +35,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ssd.evaluation.metrics import summarize
+from ssd.evaluation.run_dir import (
+    AUDIO_DIR,
+    ERROR_FILE,
+    METRICS_FILE,
+    RunDir,
+    append_record,
+    read_records,
+    write_error,
+)
 from ssd.evaluation.schema import register_sweep_schema, validate_sweep_config
 from ssd.evaluation.wandb_mirror import log_to_wandb
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "utterances.jsonl"
-METRICS_FILE = "metrics.json"
-TEST_LIST_FILE = "test_list.jsonl"
-CONFIG_FILE = "config.yaml"
-ERROR_FILE = "error.json"
-AUDIO_DIR = "audio"
-# Keys that do not change what a run computes: a resumed run may differ in them.
-NON_RESULT_KEYS = ("logger", "baseline_dir", "progress", "output_dir")
 WARMUP_TOKENS = 16
 
 _LOADED: dict[str, tuple[str, Any]] = {}  # kind -> (config key, model): a sweep's jobs share models
@@ -82,79 +82,23 @@ def _cached(kind: str, key_cfg: Any, build: Callable[[], Any]) -> Any:
 
 
 def _instantiate(node: DictConfig, key: str, **kwargs: Any) -> Any:
-    """hydra's instantiate, with a missing file re-raised as FileNotFoundError naming the config key."""
+    """hydra's instantiate; a missing or unusable file (FileNotFoundError, ValueError from the loader) is
+    re-raised as its own type, prefixed with the config key, so callers and users see what to fix."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, FileNotFoundError):
-            raise FileNotFoundError(f"{key}: {err.__cause__}") from err
+        cause = err.__cause__
+        if type(cause) in (FileNotFoundError, ValueError, FloatingPointError):
+            raise type(cause)(f"{key}: {cause}") from err
         raise
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a results file; a half-written last line (a killed run) is cut off the file."""
-    if not path.is_file():
-        return []
-    raw = path.read_bytes()
-    records, good_end = [], 0
-    for line in raw.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-        good_end += len(line)
-    if good_end < len(raw):
-        log.warning("%s: dropping a half-written last record (%d bytes)", path, len(raw) - good_end)
-        with path.open("r+b") as f:
-            f.truncate(good_end)
-    return records
-
-
-def _append_record(path: Path, record: dict) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _result_config(cfg: DictConfig) -> dict:
-    plain = _plain(cfg)
-    return {k: v for k, v in plain.items() if k not in NON_RESULT_KEYS}
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}."))
-    return out
-
-
-def _check_resume(run_dir: Path, cfg: DictConfig) -> None:
-    """Refuse to mix results of two configurations in one run dir."""
-    saved_path = run_dir / CONFIG_FILE
-    if not (run_dir / RESULTS_FILE).is_file() or not saved_path.is_file():
-        return
-    saved = _flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(saved_path)).items()
-                      if k not in NON_RESULT_KEYS})  # fmt: skip
-    now = _flatten(_result_config(cfg))
-    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if differ:
-        raise ValueError(
-            f"run dir {run_dir} holds results of a different configuration (keys {differ[:8]} differ); "
-            "rerun with the same settings to resume, or choose a new output dir (hydra.run.dir / hydra.sweep.dir)"
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,23 +125,6 @@ def build_test_list(eval_cfg: DictConfig) -> pd.DataFrame:
         target_sec=tuple(eval_cfg.target_sec),
         seed=int(eval_cfg.pair_seed),
     )
-
-
-def _write_or_check_test_list(run_dir: Path, pairs: pd.DataFrame) -> None:
-    from ssd.data.libritts import load_table, save_table
-
-    path = run_dir / TEST_LIST_FILE
-    if path.is_file():
-        saved = load_table(path)
-        if (
-            saved["utt"].tolist() != pairs["utt"].tolist()
-            or saved["prompt_utt"].tolist() != pairs["prompt_utt"].tolist()
-        ):
-            raise ValueError(
-                f"{path} differs from the test list the eval config builds now (corpus changed?)"
-            )
-        return
-    save_table(pairs, path)
 
 
 def wrong_sentence_texts(texts: list[str]) -> list[str]:
@@ -272,6 +199,11 @@ def load_models(cfg: DictConfig) -> EvalModels:
     if mode in ("speculative", "draft_only"):
         draft = _cached("draft", {"target": cfg.target.model, "draft": cfg.draft},
                         lambda: _instantiate(cfg.draft, "draft", target=target))  # fmt: skip
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft ({cfg.draft.get('name')}) has {draft.vocab_size} head entries but the target "
+                f"({cfg.target.name}) has {target.vocab_size}: build the draft from this target's layers"
+            )
     if rule is not None:
         rule = rule.bind(target)
     return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language)
@@ -289,7 +221,8 @@ def _decode(cfg: DictConfig, m: EvalModels, prompt, min_len, max_len, generator)
     if mode == "ar":
         return decode_ar(m.target, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator)
     if mode == "draft_only":
-        return decode_ar(m.draft, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator)
+        return decode_ar(m.draft, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator,
+                         role="draft")  # fmt: skip
     adaptive = None
     if cfg.decoding.adaptive.enabled:
         a = cfg.decoding.adaptive
@@ -306,9 +239,17 @@ def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -
     from ssd.contracts import VocoderPrompt
 
     if pair.prompt_utt not in prompt_cache:
-        wav, sr = load_audio(pair.prompt_wav, None)
-        tokens = np.asarray(m.speech_tokenizer.encode(wav, sr), dtype=np.int64)
-        embedding = m.speaker.embed(wav, sr)
+        try:
+            wav, sr = load_audio(pair.prompt_wav, None)
+            if not np.abs(wav).max() > 0:
+                raise ValueError("it is silent (every sample is 0)")
+            tokens = np.asarray(m.speech_tokenizer.encode(wav, sr), dtype=np.int64)
+            embedding = m.speaker.embed(wav, sr)
+        except ValueError as err:
+            raise ValueError(
+                f"prompt audio {pair.prompt_wav} (utterance {pair.prompt_utt}) cannot be used: {err}. Replace or "
+                "remove the file in eval.corpus_root; nothing of this run is lost, a rerun resumes"
+            ) from err
         prompt_cache[pair.prompt_utt] = (VocoderPrompt(wav, sr, pair.prompt_text, tokens), embedding)
     vprompt, embedding = prompt_cache[pair.prompt_utt]
     prompt = m.target.make_prompt([pair.text], [pair.prompt_text], [vprompt.tokens.tolist()])
@@ -331,7 +272,10 @@ def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: st
     with torch.inference_mode():
         _sync(device)
         start = time.perf_counter()
-        result = _decode(cfg, m, prompt, min_len, max_len, generator)
+        try:
+            result = _decode(cfg, m, prompt, min_len, max_len, generator)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"utterance {pair.utt}: {err}") from err
         _sync(device)
         lm_time = time.perf_counter() - start
     tokens = result.tokens[0]
@@ -396,40 +340,47 @@ def hydra_run_dir() -> Path:
 def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     """Run (or resume) one evaluation into `run_dir` (default: Hydra's output dir); returns the metrics."""
     run_dir = Path(run_dir) if run_dir is not None else hydra_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.copy()  # the caller's config stays as given; `output_dir` (logger configs use it) = run_dir
     with open_dict(cfg):
         cfg.output_dir = str(run_dir)
     validate_sweep_config(cfg)
+    baseline = cfg.get("baseline_dir")
+    if (
+        baseline and not (Path(str(baseline)) / METRICS_FILE).is_file()
+    ):  # checked now, not after hours of decoding
+        raise FileNotFoundError(f"baseline_dir={baseline} has no {METRICS_FILE}: run the baseline first")
     if cfg.eval.get("num_threads"):
         torch.set_num_threads(int(cfg.eval.num_threads))
-    _check_resume(run_dir, cfg)
+    with RunDir(run_dir) as run:
+        run.check_config(cfg)
+        pairs = build_test_list(cfg.eval)
+        models = load_models(cfg)  # fails here, before any decoding, when a path is wrong
+        run.check_test_list(pairs)
+        run.write_config(cfg)
 
-    pairs = build_test_list(cfg.eval)
-    models = load_models(cfg)  # fails here, before any decoding, when a path is wrong
-    _write_or_check_test_list(run_dir, pairs)
-    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        records = read_records(run.results)
+        done = {r["utt"] for r in records}
+        unknown = done - set(pairs["utt"])
+        if unknown:
+            raise ValueError(
+                f"{run.results} holds utterances that are not in the test list: {sorted(unknown)[:5]}"
+            )
+        wrong_texts = wrong_sentence_texts(pairs["text"].tolist())
+        todo = [(i, p) for i, p in enumerate(pairs.itertuples(index=False)) if p.utt not in done]
+        logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # one INFO line per utterance otherwise
+        log.info("%s: %d utterances, %d already done, %d to go", run_dir, len(pairs), len(done), len(todo))
+        n_audio = int(cfg.eval.get("num_audio_samples", 4))
+        audio_dir = run_dir / AUDIO_DIR
+        prompt_cache: dict = {}
+        if todo and cfg.eval.get("warmup", True):
+            _warm_up(cfg, models, todo[0][1], prompt_cache)
+        _run_loop(cfg, models, todo, wrong_texts, prompt_cache, records, run.results, audio_dir, n_audio)
 
-    results_path = run_dir / RESULTS_FILE
-    records = read_records(results_path)
-    done = {r["utt"] for r in records}
-    wrong_texts = wrong_sentence_texts(pairs["text"].tolist())
-    todo = [(i, p) for i, p in enumerate(pairs.itertuples(index=False)) if p.utt not in done]
-    logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # one INFO line per utterance otherwise
-    log.info("%s: %d utterances, %d already done, %d to go", run_dir, len(pairs), len(done), len(todo))
-    n_audio = int(cfg.eval.get("num_audio_samples", 4))
-    audio_dir = run_dir / AUDIO_DIR
-    prompt_cache: dict = {}
-    if todo and cfg.eval.get("warmup", True):
-        _warm_up(cfg, models, todo[0][1], prompt_cache)
-    _run_loop(cfg, models, todo, wrong_texts, prompt_cache, records, results_path, audio_dir, n_audio)
-
-    metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
-    metrics.update(run_labels(cfg, models))
-    if cfg.get("baseline_dir"):
-        metrics.update(speedup_vs(metrics, Path(str(cfg.baseline_dir))))
-    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
-    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+        metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
+        metrics.update(run_labels(cfg, models))
+        if baseline:
+            metrics.update(speedup_vs(metrics, Path(str(baseline))))
+        run.write_metrics(metrics)
     log_to_wandb(cfg, run_dir, metrics, records, audio_dir, n_audio)
     return metrics
 
@@ -445,7 +396,7 @@ def _run_loop(
         if index < n_audio and wav.size:
             audio_dir.mkdir(exist_ok=True)
             sf.write(audio_dir / f"{pair.utt}.wav", wav, models.vocoder.sample_rate)
-        _append_record(results_path, record)
+        append_record(results_path, record)
         records.append(record)
         lm_time, audio = sum(r["lm_time"] for r in records), sum(r["audio_sec"] for r in records)
         proposed = sum(sum(r["proposed"]) for r in records)
@@ -503,11 +454,7 @@ def run_job(cfg: DictConfig) -> dict | None:
     except Exception as err:
         if str(HydraConfig.get().mode) != "RunMode.MULTIRUN":
             raise
-        (run_dir / ERROR_FILE).write_text(
-            json.dumps(
-                {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}, indent=1
-            )
-        )
+        write_error(run_dir, f"{type(err).__name__}: {err}", traceback.format_exc())
         log.error("job %s FAILED (%s: %s); see %s. The sweep continues with the other jobs.",
                   run_dir, type(err).__name__, err, run_dir / ERROR_FILE)  # fmt: skip
         return None

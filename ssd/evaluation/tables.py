@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ssd.evaluation.runner import ERROR_FILE, METRICS_FILE, RESULTS_FILE
+from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
 
 # The setting keys of run dirs written before metrics.json listed its own `setting_keys`.
 LEGACY_SETTING_KEYS = ("decoding", "acceptance", "beta", "theta", "draft_len", "adaptive")
@@ -128,14 +128,9 @@ def add_speedup(table: pd.DataFrame, baseline_rtf: float | None = None) -> pd.Da
 
 
 def _run_sums(run_dir: Path) -> dict[str, float]:
-    """Sums of the timing counts over a run's records (read only: a half-written last line is skipped)."""
+    """Sums of the timing counts over a run's records (read only: the run may still be writing)."""
     sums = dict.fromkeys(COST_KEYS, 0.0)
-    path = run_dir / RESULTS_FILE
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break  # the run is still writing it
+    for record in read_records(run_dir / RESULTS_FILE, repair=False):
         for key in COST_KEYS:
             sums[key] += float(record.get(key) or 0)
     return sums

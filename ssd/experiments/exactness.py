@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from ssd.evaluation.metrics import chi_square_homogeneity, paired_differences, repeat_rate
-from ssd.evaluation.runner import RESULTS_FILE, read_records
+from ssd.evaluation.run_dir import RESULTS_FILE, read_records
 from ssd.evaluation.tables import load_runs, to_markdown
 from ssd.experiments import StudyResult
 
