@@ -132,6 +132,8 @@ def load_audio(path: str | Path, target_sr: int | None = SAMPLE_RATE) -> tuple[n
     wav = wav.mean(axis=1)
     if wav.size == 0:
         raise ValueError(f"audio file {path} has no samples")
+    if not np.isfinite(wav).all():
+        raise ValueError(f"audio file {path} has NaN or inf samples")
     if target_sr is not None and sr != target_sr:
         wav, sr = resample(wav, sr, target_sr), target_sr
     return wav, sr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -209,24 +210,51 @@ def decode_ar(
     min_len=0,
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
+    role: str = "target",
 ) -> DecodeResult:
-    """Autoregressive sampling from `sampling`'s law, one model call per token."""
+    """Autoregressive sampling from `sampling`'s law, one model call per token. `role` names the model in
+    errors ("target", or "draft" for the draft alone)."""
     stats = DecodeStats()
     cache, logits = model.prefill(prompt, int(torch.as_tensor(max_len).max()) + 1)
     device, batch = logits.device, logits.shape[0]
     clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
-    token = _first_token(logits, sampling, out, min_len, generator)
-    stats.time_prefill = clock.lap()
-    while not out.done.all():
-        logits = model.extend(cache, token.unsqueeze(-1))[:, -1]
-        stats.target_calls += 1
-        stats.time_verify += clock.lap()
+    with _naming_non_finite_logits(lambda: {role: logits}, out):
         token = _first_token(logits, sampling, out, min_len, generator)
-        stats.time_accept += clock.lap()
+        stats.time_prefill = clock.lap()
+        while not out.done.all():
+            logits = model.extend(cache, token.unsqueeze(-1))[:, -1]
+            stats.target_calls += 1
+            stats.time_verify += clock.lap()
+            token = _first_token(logits, sampling, out, min_len, generator)
+            stats.time_accept += clock.lap()
     stats.tokens = int(out.count.sum())
     return DecodeResult(out.tokens(), out.reason, stats)
+
+
+@contextmanager
+def _naming_non_finite_logits(latest: Callable[[], dict[str, torch.Tensor | None]], out: _Output):
+    """torch.multinomial only says "probability tensor contains inf/nan"; name the model and the step.
+    The check runs only after such a failure, so the decode loop stays free of extra host syncs."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "probability tensor" not in str(err):
+            raise
+        for role, logits in latest().items():
+            if logits is not None and not torch.isfinite(logits).all():
+                rows = (
+                    (~torch.isfinite(logits).reshape(logits.shape[0], -1).all(-1))
+                    .nonzero()
+                    .flatten()
+                    .tolist()
+                )
+                raise FloatingPointError(
+                    f"the {role}'s logits are NaN/inf at generated token {int(out.count.min())} (batch rows {rows}): "
+                    f"check the {role}'s weights (its checkpoint, and its dtype: float16 can overflow)"
+                ) from err
+        raise
 
 
 def _verification_windows(last_window: torch.Tensor, draft_tokens: torch.Tensor, window: int) -> torch.Tensor:
@@ -274,6 +302,11 @@ def decode_speculative(
               from); history_windows(last_window, draft_tokens, W) -> the RAS history [B, k+1, W] of each
               verified position (the generated tokens extended by the earlier draft tokens).
     """
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft and target speak different vocabularies ({draft.vocab_size} vs {target.vocab_size} head "
+            "entries): build the draft from this target (ssd.models.draft.build_draft)"
+        )
     draft_sampling = draft_sampling or sampling
     track_tv = (not rule.exact and getattr(rule, "cheap_output_law", False)) if track_tv is None else track_tv
     stats = DecodeStats()
@@ -286,61 +319,67 @@ def decode_speculative(
     clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
-    first = _first_token(logits_t, sampling, out, min_len, generator)  # exact: q of the prompt
-    pending_t, pending_d = first.unsqueeze(-1), first.unsqueeze(-1)
-    stats.time_prefill = clock.lap()
-    k = draft_len
-    rows = torch.arange(batch, device=device)
+    logits_d = logits_v = None
 
-    while not out.done.all():
-        active = ~out.done
-        window, step = out.last_window(), out.count
-        # Draft k tokens.
-        logits_d = draft.extend(cache_d, pending_d)[:, -1]
-        xs, ps = [], []
-        for i in range(k):
-            hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
-            x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
-            xs.append(x)
-            ps.append(p)
-            if i < k - 1:
-                logits_d = draft.extend(cache_d, x.unsqueeze(-1))[:, -1]
-        stats.draft_calls += k
-        xs, ps = torch.stack(xs, 1), torch.stack(ps, 1)
-        stats.time_draft += clock.lap()
+    def latest() -> dict:  # the logits each model gave last (read only after a sampling failure)
+        return {"draft": logits_d, "target": logits_v if logits_v is not None else logits_t}
 
-        # Verify all k in one target call.
-        block = torch.cat([pending_t, xs], 1)
-        pad = max(0, (verify_rows or 0) - (k + 1))
-        if pad:
-            block = torch.cat([block, xs[:, -1:].expand(-1, pad)], 1)
-        logits_v = target.extend(cache_t, block)[:, : k + 1].to(torch.float32)
-        stats.target_calls += 1
-        vocab = logits_v.shape[-1]
-        steps = (step.unsqueeze(-1) + torch.arange(k + 1, device=device)).reshape(-1)
-        qs = distribution(
-            sampling,
-            logits_v.reshape(-1, vocab),
-            history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
-            steps,
-            min_len.repeat_interleave(k + 1),
-        ).reshape(batch, k + 1, vocab)
-        stats.time_verify += clock.lap()
+    with _naming_non_finite_logits(latest, out):
+        first = _first_token(logits_t, sampling, out, min_len, generator)  # exact: q of the prompt
+        pending_t, pending_d = first.unsqueeze(-1), first.unsqueeze(-1)
+        stats.time_prefill = clock.lap()
+        k = draft_len
+        rows = torch.arange(batch, device=device)
 
-        n_acc, y = rule.verify(ps, qs, xs, generator)
-        n_acc = torch.where(active, n_acc, 0)
-        _record_round(stats, rule, ps, qs[:, :k], n_acc, active, k, track_tv)
-        block = torch.cat([xs, y.unsqueeze(-1)], 1)
-        block[rows, n_acc] = y
-        out.emit(block, n_acc + 1)
+        while not out.done.all():
+            active = ~out.done
+            window, step = out.last_window(), out.count
+            # Draft k tokens.
+            logits_d = draft.extend(cache_d, pending_d)[:, -1]
+            xs, ps = [], []
+            for i in range(k):
+                hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
+                x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
+                xs.append(x)
+                ps.append(p)
+                if i < k - 1:
+                    logits_d = draft.extend(cache_d, x.unsqueeze(-1))[:, -1]
+            stats.draft_calls += k
+            xs, ps = torch.stack(xs, 1), torch.stack(ps, 1)
+            stats.time_draft += clock.lap()
 
-        target.rollback(cache_t, k - n_acc + pad)
-        draft.rollback(cache_d, k - n_acc)
-        before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
-        pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
-        stats.time_accept += clock.lap()
-        if adaptive:
-            k = adaptive.next(k, bool((n_acc[active] == k).all()))
+            # Verify all k in one target call.
+            block = torch.cat([pending_t, xs], 1)
+            pad = max(0, (verify_rows or 0) - (k + 1))
+            if pad:
+                block = torch.cat([block, xs[:, -1:].expand(-1, pad)], 1)
+            logits_v = target.extend(cache_t, block)[:, : k + 1].to(torch.float32)
+            stats.target_calls += 1
+            vocab = logits_v.shape[-1]
+            steps = (step.unsqueeze(-1) + torch.arange(k + 1, device=device)).reshape(-1)
+            qs = distribution(
+                sampling,
+                logits_v.reshape(-1, vocab),
+                history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
+                steps,
+                min_len.repeat_interleave(k + 1),
+            ).reshape(batch, k + 1, vocab)
+            stats.time_verify += clock.lap()
+
+            n_acc, y = rule.verify(ps, qs, xs, generator)
+            n_acc = torch.where(active, n_acc, 0)
+            _record_round(stats, rule, ps, qs[:, :k], n_acc, active, k, track_tv)
+            block = torch.cat([xs, y.unsqueeze(-1)], 1)
+            block[rows, n_acc] = y
+            out.emit(block, n_acc + 1)
+
+            target.rollback(cache_t, k - n_acc + pad)
+            draft.rollback(cache_d, k - n_acc)
+            before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
+            pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
+            stats.time_accept += clock.lap()
+            if adaptive:
+                k = adaptive.next(k, bool((n_acc[active] == k).all()))
     stats.tokens = int(out.count.sum())
     return DecodeResult(out.tokens(), out.reason, stats)
 

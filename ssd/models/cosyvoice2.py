@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssd.files import read_checkpoint
 from ssd.models.base import (
     CachedSpeechLM,
     check_state_dict,
@@ -126,7 +127,7 @@ class CosyVoice2LM(CachedSpeechLM):
         )  # fmt: skip
         llm_path, config_path = model_dir / LLM_FILE, model_dir / TOKENIZER_SUBDIR / "config.json"
         backbone_config = _read_backbone_config(config_path)
-        state = torch.load(llm_path, map_location="cpu", weights_only=True, mmap=True)
+        state = read_checkpoint(llm_path, "CosyVoice 2 llm.pt", mmap=True)
         speech_rows = _speech_rows(state, llm_path)
         expected = cls.expected_llm_pt_shapes(backbone_config, speech_rows - 3)
         check_state_dict(state, expected, llm_path)

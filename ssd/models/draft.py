@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssd.files import read_checkpoint
 from ssd.models.base import CachedSpeechLM
 
 CHECKPOINT_FORMAT = "ssd-draft-v1"
@@ -179,10 +180,7 @@ def save_draft(path: str | Path, draft: Draft) -> Path:
 
 
 def _read_checkpoint(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"draft checkpoint {path} does not exist")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = read_checkpoint(path, "draft checkpoint (ssd.models.draft.save_draft)")
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a draft checkpoint written by ssd.models.draft.save_draft")
     return payload

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.files import read_safetensors
 from ssd.models.base import (
     CachedSpeechLM,
     check_state_dict,
@@ -245,16 +246,14 @@ def _token_id(tokenizer: Any, token: str, model_dir: Path) -> int:
 
 
 def _read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    from safetensors.torch import load_file
-
     single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single)), single
+        return read_safetensors(single, "LLaSA weights file"), single
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(str(model_dir / shard)))
+            state.update(read_safetensors(model_dir / shard, "LLaSA weights shard"))
         return state, index
     raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ssd.audio.features import mel_filterbank, resample
 from ssd.contracts import VocoderPrompt
+from ssd.files import read_checkpoint
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, read_alignment
 
 # Bump when the saved format changes; load() refuses other versions.
@@ -346,11 +347,11 @@ class ToyCodec:
         cfg = ToyCodecConfig.from_dict(meta["config"])
         arrays = np.load(d / "codec.npz")
         decoder = TokenDecoder(cfg)
-        decoder.load_state_dict(torch.load(d / "decoder.pt", map_location="cpu", weights_only=True))
+        decoder.load_state_dict(read_checkpoint(d / "decoder.pt", "toy codec decoder"))
         encoder = None
         if cfg.features == "phonetic":
             encoder = PhoneticEncoder(cfg, len(meta["phones"]) * cfg.phone_states)
-            encoder.load_state_dict(torch.load(d / "encoder.pt", map_location="cpu", weights_only=True))
+            encoder.load_state_dict(read_checkpoint(d / "encoder.pt", "toy codec encoder"))
         codec = cls(
             cfg,
             arrays["pca_mean"],

@@ -57,7 +57,13 @@ class TokenShardDataset(Dataset):
             files.extend(found)
         tables = []
         for f in files:
-            table = pq.read_table(f)
+            try:
+                table = pq.read_table(f)
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(
+                    f"shard {f} is not a readable parquet file ({err}); delete it and rerun "
+                    "scripts/prepare_libritts.py tokens (finished shards are kept, this one is rewritten)"
+                ) from err
             missing = {"utt", "speaker", "subset", "text_tokens", "speech_tokens"} - set(table.column_names)
             if missing:
                 raise ValueError(

@@ -194,6 +194,11 @@ class SpeechLMTrainingModule(L.LightningModule):
                     prog_bar=key == "loss",
                     batch_size=n,
                 )
+        if not torch.isfinite(out["loss"]):  # a diverged run must stop, not export NaN weights
+            raise FloatingPointError(
+                f"training diverged: loss {out['loss'].item()} at step {self.global_step} (batch {batch['utt'][:3]}): "
+                f"lower optim.lr (now {self.optim.lr}) or check the data; nothing was exported"
+            )
         return out["loss"]
 
     # --- dev ----------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class TrainConfig:
     trainer: Any = MISSING
     logger: Any = field(default_factory=dict)
     paths: Any = MISSING
+    toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
     output_dir: str = MISSING
     seed: int = 0
     max_steps: int = 1000

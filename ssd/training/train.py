@@ -3,6 +3,7 @@
 Builds the target from `cfg.target.model`, the draft from `cfg.draft` (or trains the target itself
 when `cfg.train_target`), the DataModule from `cfg.data`, loggers from `cfg.logger`, a Trainer from
 `cfg.trainer`; measures dev metrics before training, trains, measures again and exports the model.
+A diverged run (non-finite loss) stops with an error and exports nothing.
 
 Run directory (`cfg.output_dir`):
     checkpoints/last.ckpt          Lightning checkpoint (trainable tensors + optimizer + loop state):
@@ -10,14 +11,18 @@ Run directory (`cfg.output_dir`):
     checkpoints/draft-best.pt      best dev alpha so far, draft format of ssd.models.draft.save_draft
     draft.pt | target/             the final model (draft checkpoint, or a CosyVoice 2 model dir)
     before_training.json           dev metrics before the first step (kept across resumes)
-    metrics.json                   what train() returns
+    run.json                       the target's file fingerprints + the draft recipe: a resume must match them
+    metrics.json                   what train() returns (written atomically, like every JSON here)
+    .lock                          held while a training writes the dir (a second one fails at once)
     csv/version_N/metrics.csv      CSV log (one version per run or resume), wandb/: W&B mirror
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
 from ssd.models.draft import Draft, describe, save_draft
 from ssd.tracking import wandb_mode
 from ssd.training.module import SpeechLMTrainingModule
@@ -37,10 +43,17 @@ from ssd.training.schema import OptimConfig, validate_train_config
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 BEFORE_FILE = "before_training.json"
+RUN_FILE = "run.json"  # what the run trains (target files, draft recipe), checked when it resumes
 
 
 def export_model(model: torch.nn.Module, path: str | Path) -> Path:
-    """A draft -> save_draft's file at `path`; a target -> its own model-dir format at `path`."""
+    """A draft -> save_draft's file at `path`; a target -> its own model-dir format at `path`. A model with a
+    non-finite trained tensor is never exported."""
+    broken = [k for k, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if broken:
+        raise FloatingPointError(
+            f"not exporting {path}: trained tensors {broken[:4]} hold NaN/inf (training diverged)"
+        )
     if isinstance(model, Draft):
         return save_draft(path, model)
     return model.save_dir(path)
@@ -104,6 +117,36 @@ def _final_line(model_is_draft: bool, before: dict[str, float], after: dict[str,
     return f"{'draft' if model_is_draft else 'target'} dev CE: {pair('dev/ce')}; token accuracy {pair('dev/acc')}"
 
 
+def run_identity(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """What a resumed training must share with the run it continues: the target's files and the recipe of
+    what is trained (a longer max_steps or another lr is a legitimate resume; another model is not)."""
+    recipe = asdict(model.recipe) if isinstance(model, Draft) else None
+    return {
+        "train_target": bool(cfg.train_target),
+        "draft_recipe": json.loads(json.dumps(recipe)) if recipe else None,  # tuples -> lists, as stored
+        "target_files": fingerprint(str(cfg.target.model.model_dir)),
+    }
+
+
+def check_resume_identity(output_dir: Path, identity: dict[str, Any], resuming: bool) -> None:
+    """Refuse to continue a run dir trained with another target or recipe; record the identity otherwise."""
+    path = output_dir / RUN_FILE
+    saved = json.loads(path.read_text()) if path.is_file() else None
+    if resuming and saved is not None:
+        problems = [f"{k}: {saved.get(k)} then, {identity[k]} now" for k in ("train_target", "draft_recipe")
+                    if saved.get(k) != identity[k]]  # fmt: skip
+        changes = fingerprint_changes(
+            {"target": saved.get("target_files") or {}}, {"target": identity["target_files"]}
+        )
+        problems += [f"target model files changed: {c}" for c in changes]
+        if problems:
+            raise ValueError(
+                f"{output_dir} holds a training of another model ({'; '.join(problems)}): resuming would mix "
+                "them; choose a new output_dir (hydra.run.dir=...) or restore the original settings"
+            )
+    write_atomic(path, json.dumps(identity, indent=1))
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train a draft (or, with train_target=true, the target) as configured; see the module doc.
 
@@ -112,6 +155,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     cfg = validate_train_config(cfg)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # DDP workers re-run this; rank 0 holds the dir's lock
+        return _train(cfg, output_dir)
+    with RunDirLock(output_dir, "training run"):
+        return _train(cfg, output_dir)
+
+
+def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     model, teacher = build_models(cfg)
     # Seed after the models are loaded: some loaders re-seed global RNGs (docs/targets.md §2.4).
     L.seed_everything(cfg.seed, workers=True)
@@ -159,12 +209,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     last = ckpt_dir / LAST_CHECKPOINT
     ckpt_path = cfg.ckpt_path or (str(last) if last.is_file() else None)
+    if trainer.is_global_zero:
+        check_resume_identity(output_dir, run_identity(cfg, model), resuming=ckpt_path is not None)
     before_path = output_dir / BEFORE_FILE
     if ckpt_path is None or not before_path.is_file():
         # fit() loads ckpt_path later: this measures the model as built, i.e. before any training.
         before = _dev_metrics(trainer.validate(module, datamodule=datamodule, verbose=False))
         if trainer.is_global_zero:
-            before_path.write_text(json.dumps(before, indent=1))
+            write_atomic(before_path, json.dumps(before, indent=1))
     else:
         rank_zero_info(f"resuming from {ckpt_path}")
         before = json.loads(before_path.read_text())
@@ -181,7 +233,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics.update(global_step=trainer.global_step, export_path=str(export_path))
     if trainer.is_global_zero:
         export_model(model, export_path)
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        write_atomic(output_dir / "metrics.json", json.dumps(metrics, indent=1))
         for logger in loggers:
             logger.log_metrics({f"final/{k}": v for k, v in after.items()}, step=trainer.global_step)
             logger.save()
