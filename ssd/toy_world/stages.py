@@ -5,6 +5,8 @@ config section, the world seed, its code version and the hash of the stage befor
 anywhere upstream reaches everything downstream). On a rerun:
 - DONE.json present with the same hash -> skipped;
 - no DONE.json (an interrupted build) or a different hash -> the directory is wiped and redone.
+The builder deletes only dirs it made (each gets `.made_by_toy_world` before anything else is written) and
+refuses any other dir in a stage's place; one build at a time holds the root (`.lock`).
 The engine knows no concrete stage: the toy world's stages are `ssd.toy_world.STAGES`.
 """
 
@@ -19,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssd.files import RunDirLock, write_atomic
+
 DONE_FILE = "DONE.json"
+OWNER_FILE = ".made_by_toy_world"  # written before anything else: the builder only ever deletes dirs it made
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,13 @@ def build_stages(
         raise ValueError(f"build_toy_world: stage names repeat: {names}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    with RunDirLock(root, "toy-world build", wait=True):  # parallel sweep jobs wait for one build
+        results = _build(stages, world, root, progress, console)
+    console.print(summary_table(results))
+    return results
+
+
+def _build(stages: Sequence[Stage], world: dict, root: Path, progress: bool, console) -> list[StageResult]:
     results: list[StageResult] = []
     upstream_hash, inputs = "", {}
     for stage in stages:
@@ -122,12 +134,19 @@ def build_stages(
             results.append(StageResult(stage.name, "skipped", 0.0, h, done.get("summary", {}), out_dir))
         else:
             if out_dir.exists():
+                if done is None and not (out_dir / OWNER_FILE).is_file():
+                    raise FileExistsError(
+                        f"{out_dir} exists but was not made by the toy-world builder (no {OWNER_FILE}, no "
+                        f"{DONE_FILE}); nothing was deleted. Move it away, or build the world elsewhere "
+                        "(toy_world.dir=... or paths.data_dir=...)"
+                    )
                 why = "inputs changed" if done is not None else "no DONE.json (interrupted build)"
                 console.print(f"[yellow]↻[/] {stage.name}: {why}, rebuilding from scratch")
                 shutil.rmtree(out_dir)
             else:
                 console.print(f"[cyan]→[/] {stage.name}: building into {out_dir}")
             out_dir.mkdir(parents=True)
+            (out_dir / OWNER_FILE).write_text(f"made by the toy-world builder (stage {stage.name})\n")
             start = time.perf_counter()
             summary = stage.run(StageContext(out_dir, section, world, dict(inputs), progress)) or {}
             seconds = time.perf_counter() - start
@@ -141,13 +160,10 @@ def build_stages(
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             # Written last, atomically: its presence means the directory is complete.
-            tmp = out_dir / (DONE_FILE + ".tmp")
-            tmp.write_text(json.dumps(record, indent=1, default=str))
-            tmp.replace(out_dir / DONE_FILE)
+            write_atomic(out_dir / DONE_FILE, json.dumps(record, indent=1, default=str))
             results.append(StageResult(stage.name, "built", seconds, h, summary, out_dir))
         upstream_hash = h
         inputs[stage.name] = out_dir
-    console.print(summary_table(results))
     return results
 
 
