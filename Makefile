@@ -4,7 +4,9 @@ PY ?= python
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
-install:  ## install torch (CPU wheel) first, then the project with judges + dev extras
+install:  ## flite + sox for the toy world (apt), torch (CPU wheel) first, then the project with judges + dev extras
+	@command -v flite >/dev/null && command -v sox >/dev/null || { apt-get update -q && apt-get install -y -q flite sox; } \
+		|| { echo "the toy world needs flite and sox: install them (Debian/Ubuntu: apt-get install flite sox)"; exit 1; }
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[judges,dev]"
 

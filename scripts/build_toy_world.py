@@ -16,6 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# MKL's default (MKL_DYNAMIC) may use fewer threads when the machine is loaded, which changes the float
+# summation order and so trained weights; a fixed thread count makes results independent of machine load.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

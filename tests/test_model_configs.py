@@ -24,7 +24,14 @@ torch.set_num_threads(1)
 def compose_target_draft(target: str, draft: str, *overrides: str):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(
-            config_name=None, overrides=[f"+target={target}", f"+draft={draft}", "+paths=default", *overrides]
+            config_name=None,
+            overrides=[
+                f"+target={target}",
+                f"+draft={draft}",
+                "+paths=default",
+                "+toy_world=default",
+                *overrides,
+            ],
         )
 
 

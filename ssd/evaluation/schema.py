@@ -96,6 +96,7 @@ class SweepConfig:
     baseline_dir: str | None = None
     progress: bool = True
     reproduce: Any = None  # the experiment driver's notes (configs/experiment/)
+    toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
 
 
 def register_sweep_schema() -> None:

@@ -39,4 +39,30 @@ def build_toy_world(
     return build_stages(world_cfg, root, STAGES if stages is None else stages, progress, console)
 
 
-__all__ = ["STAGES", "build_toy_world"]
+# What a run reads from the toy world, when it uses it (sweep.py: target, eval; train_draft.py: data).
+WORLD_READERS = ("target.model.model_dir", "eval.corpus_root", "data.shard_dirs", "draft.checkpoint")
+
+
+def ensure_built(cfg, progress: bool = True) -> None:
+    """Build `cfg.toy_world` first when the run reads a file of it that does not exist yet, saying so in one
+    line (the entry points call this, so the first `python sweep.py ...` on a fresh clone just works). A
+    world whose files exist is never rebuilt here: `make toy` rebuilds what a config change made stale."""
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    world = cfg.get("toy_world")
+    if world is None:
+        return
+    root = Path(str(world.dir))
+    reads = [Path(str(p)) for p in (OmegaConf.select(cfg, key, default=None) for key in WORLD_READERS) if p]
+    if not any(path.is_relative_to(root) and not path.exists() for path in reads):
+        return
+    console = Console()
+    console.print(
+        f"[bold]The toy world '{world.name}' is not built yet in {root}: building it first "
+        f"(about {world.get('build_minutes', '?')} min on a 2-core CPU, once; `make toy` does it on its own).[/]"
+    )
+    build_toy_world(world, root, progress=progress, console=console)
+
+
+__all__ = ["STAGES", "build_toy_world", "ensure_built"]
