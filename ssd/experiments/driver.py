@@ -92,9 +92,10 @@ _ROOT_KEYS: dict[str, set[str]] = {}
 
 
 def applicable(overrides: Sequence[str], config_name: str) -> list[str]:
-    """The overrides whose root key exists in configs/<config_name> (hydra.* always applies)."""
+    """The overrides whose root key exists in configs/<config_name> (hydra.* always applies; `reproduce.*`
+    is the driver's own and never reaches a sweep or a training)."""
     if config_name not in _ROOT_KEYS:
-        _ROOT_KEYS[config_name] = set(compose(config_name).keys()) | {"hydra"}
+        _ROOT_KEYS[config_name] = (set(compose(config_name).keys()) | {"hydra"}) - {"reproduce"}
     return [o for o in overrides if override_key(o).split(".")[0].split("/")[0] in _ROOT_KEYS[config_name]]
 
 
