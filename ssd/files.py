@@ -7,6 +7,7 @@
 - `fingerprint` / `fingerprint_changes`: the identity of every model file a run reads (size + SHA-256
   of its first and last MiB: cheap for multi-GB checkpoints, and a changed file almost always changes
   its size or its ends), stored with a run and compared on resume.
+- `read_checkpoint` / `read_safetensors`: a truncated or foreign file raises an error naming the file.
 """
 
 from __future__ import annotations

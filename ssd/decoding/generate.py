@@ -243,16 +243,14 @@ def _naming_non_finite_logits(latest: Callable[[], dict[str, torch.Tensor | None
         if "probability tensor" not in str(err):
             raise
         for role, logits in latest().items():
-            if logits is not None and not torch.isfinite(logits).all():
-                rows = (
-                    (~torch.isfinite(logits).reshape(logits.shape[0], -1).all(-1))
-                    .nonzero()
-                    .flatten()
-                    .tolist()
-                )
+            finite = (
+                torch.isfinite(logits).reshape(logits.shape[0], -1).all(-1) if logits is not None else None
+            )
+            if finite is not None and not finite.all():
                 raise FloatingPointError(
-                    f"the {role}'s logits are NaN/inf at generated token {int(out.count.min())} (batch rows {rows}): "
-                    f"check the {role}'s weights (its checkpoint, and its dtype: float16 can overflow)"
+                    f"the {role}'s logits are NaN/inf at generated token {int(out.count.min())} (batch rows "
+                    f"{(~finite).nonzero().flatten().tolist()}): check the {role}'s weights (its checkpoint, and its "
+                    "dtype: float16 can overflow)"
                 ) from err
         raise
 

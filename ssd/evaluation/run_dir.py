@@ -125,8 +125,9 @@ class RunDir:
     def results(self) -> Path:
         return self.path / RESULTS_FILE
 
-    def check_config(self, cfg: DictConfig) -> None:
-        """Refuse to mix results of two configurations in one run dir (before any model loads)."""
+    def check_config(self, cfg: DictConfig, inputs: dict[str, dict]) -> None:
+        """Refuse to mix results of two configurations, or of other model files (`inputs`, from
+        `run_inputs`), in one run dir (before any model loads)."""
         saved_path = self.path / CONFIG_FILE
         if not self.results.is_file() or not saved_path.is_file():
             return
@@ -139,16 +140,16 @@ class RunDir:
                 f"run dir {self.path} holds results of a different configuration (keys {differ[:8]} differ); "
                 "rerun with the same settings to resume, or choose a new output dir (hydra.run.dir / hydra.sweep.dir)"
             )
-        changes = fingerprint_changes(saved.get(INPUTS_KEY) or {}, run_inputs(cfg))
+        changes = fingerprint_changes(saved.get(INPUTS_KEY) or {}, inputs)
         if changes:
             raise ValueError(
                 f"run dir {self.path} holds results computed with other model files: {'; '.join(changes)}. "
                 "Resuming would mix two models in one table: choose a new output dir, or restore the files"
             )
 
-    def write_config(self, cfg: DictConfig) -> None:
+    def write_config(self, cfg: DictConfig, inputs: dict[str, dict]) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved[INPUTS_KEY] = run_inputs(cfg)
+        resolved[INPUTS_KEY] = inputs
         write_atomic(self.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(resolved)))
 
     def check_test_list(self, pairs) -> None:

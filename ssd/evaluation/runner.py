@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import soundfile as sf
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from ssd.evaluation.metrics import summarize
 from ssd.evaluation.run_dir import (
@@ -42,9 +42,10 @@ from ssd.evaluation.run_dir import (
     RunDir,
     append_record,
     read_records,
+    run_inputs,
     write_error,
 )
-from ssd.evaluation.schema import register_sweep_schema, validate_sweep_config
+from ssd.evaluation.schema import plain, register_sweep_schema, validate_sweep_config
 from ssd.evaluation.wandb_mirror import log_to_wandb
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,10 @@ def utterance_seed(seed: int, utt: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{utt}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
 def _cached(kind: str, key_cfg: Any, build: Callable[[], Any]) -> Any:
     """The model of this kind loaded by an earlier job with the same config, else a fresh one (which
     replaces the old, so a sweep over models holds one of each kind in memory)."""
-    key = json.dumps(_plain(key_cfg), sort_keys=True, default=str)
+    key = json.dumps(plain(key_cfg), sort_keys=True, default=str)
     if kind not in _LOADED or _LOADED[kind][0] != key:
         _LOADED.pop(kind, None)
         _LOADED[kind] = (key, build())
@@ -170,7 +167,7 @@ def load_models(cfg: DictConfig) -> EvalModels:
         slots = cfg.eval.get("slots")
         if slots is None and slots_file.is_file():
             slots = json.loads(slots_file.read_text())
-        language = GridLanguage(_plain(slots))
+        language = GridLanguage(plain(slots))
     elif cfg.eval.get("language") is not None:
         raise ValueError(f"eval.language must be null or 'grid', got {cfg.eval.language!r}")
     slots = list(language.slots.values()) if language else None
@@ -180,11 +177,6 @@ def load_models(cfg: DictConfig) -> EvalModels:
     speaker = _cached("sim", cfg.sim, lambda: _instantiate(cfg.sim, "sim"))
     target = _cached("target", cfg.target.model, lambda: _instantiate(cfg.target.model, "target.model"))
     sampling = _instantiate(cfg.target.sampling, "target.sampling", stop_tokens=list(target.stop_tokens))
-    for key in ("speech_tokenizer", "vocoder"):
-        if cfg.get(key) is None:
-            raise ValueError(
-                f"{key} is not set and target={cfg.target.name} brings none: choose one ({key}=...)"
-            )
     speech_tokenizer = _cached(
         "tok", cfg.speech_tokenizer, lambda: load_speech_tokenizer(cfg.speech_tokenizer)
     )
@@ -345,18 +337,17 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         cfg.output_dir = str(run_dir)
     validate_sweep_config(cfg)
     baseline = cfg.get("baseline_dir")
-    if (
-        baseline and not (Path(str(baseline)) / METRICS_FILE).is_file()
-    ):  # checked now, not after hours of decoding
+    if baseline and not (Path(str(baseline)) / METRICS_FILE).is_file():  # now, not after hours of decoding
         raise FileNotFoundError(f"baseline_dir={baseline} has no {METRICS_FILE}: run the baseline first")
     if cfg.eval.get("num_threads"):
         torch.set_num_threads(int(cfg.eval.num_threads))
     with RunDir(run_dir) as run:
-        run.check_config(cfg)
+        inputs = run_inputs(cfg)  # fingerprints of the model files, read once
+        run.check_config(cfg, inputs)
         pairs = build_test_list(cfg.eval)
         models = load_models(cfg)  # fails here, before any decoding, when a path is wrong
         run.check_test_list(pairs)
-        run.write_config(cfg)
+        run.write_config(cfg, inputs)
 
         records = read_records(run.results)
         done = {r["utt"] for r in records}
@@ -431,10 +422,9 @@ def run_labels(cfg: DictConfig, models: EvalModels) -> dict:
 
 def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:
     """Speedup = baseline LM-RTF / this run's LM-RTF (baseline: a finished run dir, usually decoding=ar)."""
-    path = baseline_dir / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"baseline_dir={baseline_dir} has no {METRICS_FILE}; run the baseline first")
-    baseline = json.loads(path.read_text())
+    baseline = json.loads(
+        (baseline_dir / METRICS_FILE).read_text()
+    )  # its presence is checked before decoding
     return {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
 
 

@@ -99,6 +99,11 @@ class SweepConfig:
     toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
 
 
+def plain(node: Any) -> Any:
+    """A config node as plain python (interpolations resolved); anything else as it is."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
 def register_sweep_schema() -> None:
     """What sweep.yaml names: `sweep_schema` in its defaults list and the `ssd.job_dirname` resolver
     (configs/hydra/default.yaml names job dirs with it); idempotent."""

@@ -6,13 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from ssd.evaluation.schema import plain
 from ssd.tracking import wandb_mode
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def wandb_settings(logger_cfg: Any) -> dict | None:
@@ -20,10 +17,10 @@ def wandb_settings(logger_cfg: Any) -> dict | None:
 
     Accepts a Lightning WandbLogger config (flat or under a `wandb:` key) or `{backend: wandb, ...}`.
     """
-    plain = _plain(logger_cfg) or {}
-    if not isinstance(plain, dict):
+    node = plain(logger_cfg) or {}
+    if not isinstance(node, dict):
         return None
-    section = plain.get("wandb", plain)
+    section = node.get("wandb", node)
     if not isinstance(section, dict):
         return None
     target = str(section.get("_target_", ""))
@@ -63,7 +60,7 @@ def log_to_wandb(
         job_type="eval",
         mode=wandb_mode(settings.get("offline"), settings.get("mode")),
         dir=str(settings.get("save_dir") or run_dir),
-        config=_plain(cfg),
+        config=plain(cfg),
         reinit="finish_previous",
     )
     try:

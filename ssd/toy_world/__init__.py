@@ -1,9 +1,10 @@
 """The toy world: a synthetic LibriTTS-layout corpus, a toy codec, a toy target LM, a toy draft and a
 quality summary, built idempotently by `build_toy_world` (scripts/build_toy_world.py).
 
-Modules: `stages` (the engine: caching, hashing, DONE.json), `language` / `corpus` / `codec` (the toy
-language, the flite+sox corpus, the toy speech tokenizer and vocoder), `audio_stages` (the corpus and
-codec stages) and `lm_stages` (tokens, target, draft, summary). This package sits above ssd.data,
+Modules: `stages` (the engine: caching, hashing, DONE.json), `corpus` / `codec` (the flite+sox corpus,
+the toy speech tokenizer and vocoder; the language itself is ssd.data.grid_language), `audio_stages`
+(the corpus and codec stages) and `lm_stages` (tokens, target, draft, summary); `ensure_built` lets
+the entry points build a missing world first. This package sits above ssd.data,
 ssd.audio, ssd.models, ssd.training and ssd.evaluation; none of those imports it.
 """
 
