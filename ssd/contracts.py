@@ -97,6 +97,11 @@ class TTSTargetLM(SpeechLM, Protocol):
         """Write the model in its distributed format (a trained toy target; an exported full model)."""
         ...
 
+    def codec_tokens(self, tokens: list[int]) -> list[int]:
+        """Generated head ids (stop token excluded) -> the speech tokenizer's / vocoder's token ids.
+        CosyVoice 2: the same ids; LLaSA: text tokens its law emitted are dropped and <|s_N|> becomes N."""
+        ...
+
 
 IGNORE_INDEX = -100  # targets of training_logits that carry no loss (torch's cross_entropy default)
 
@@ -149,6 +154,13 @@ class Vocoder(Protocol):
     sample_rate: int
 
     def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray: ...
+
+    def prepare_prompt(self, prompt: VocoderPrompt) -> VocoderPrompt:
+        """The prompt as this vocoder conditions on it, computed once per prompt utterance (CosyVoice 2
+        truncates the prompt tokens to its mel's length as upstream's frontend does). The runner builds the
+        LM prompt from the returned tokens, so LM and vocoder see the same prompt. Optional: a vocoder
+        without it conditions on the prompt as given."""
+        ...
 
 
 class ASR(Protocol):

@@ -242,7 +242,9 @@ def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -
                 f"prompt audio {pair.prompt_wav} (utterance {pair.prompt_utt}) cannot be used: {err}. Replace or "
                 "remove the file in eval.corpus_root; nothing of this run is lost, a rerun resumes"
             ) from err
-        prompt_cache[pair.prompt_utt] = (VocoderPrompt(wav, sr, pair.prompt_text, tokens), embedding)
+        vprompt = VocoderPrompt(wav, sr, pair.prompt_text, tokens)
+        prepare = getattr(m.vocoder, "prepare_prompt", None)  # optional in ssd.contracts.Vocoder
+        prompt_cache[pair.prompt_utt] = (prepare(vprompt) if prepare else vprompt, embedding)
     vprompt, embedding = prompt_cache[pair.prompt_utt]
     prompt = m.target.make_prompt([pair.text], [pair.prompt_text], [vprompt.tokens.tolist()])
     min_len, max_len = (int(x) for x in (t[0] for t in m.target.length_limits(prompt)))
@@ -273,7 +275,8 @@ def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: st
     tokens = result.tokens[0]
     stats = result.stats
     token_rate = getattr(m.speech_tokenizer, "token_rate", 25)
-    wav = m.vocoder.vocode(np.asarray(tokens, dtype=np.int64), vprompt) if tokens else np.zeros(0, np.float32)
+    codes = m.target.codec_tokens(tokens)
+    wav = m.vocoder.vocode(np.asarray(codes, dtype=np.int64), vprompt) if codes else np.zeros(0, np.float32)
     hypothesis = m.asr.transcribe(wav, m.vocoder.sample_rate) if wav.size else ""
     scored = utterance_wer(pair.text, hypothesis)
     try:

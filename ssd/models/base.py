@@ -75,6 +75,10 @@ class CachedSpeechLM(nn.Module):
     def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
         cache.rollback(n)
 
+    def codec_tokens(self, tokens: list[int]) -> list[int]:
+        """Head ids -> codec ids: the same ids for a head whose first speech_token_size entries are the codec's."""
+        return list(tokens)
+
     # --- training ------------------------------------------------------------------------------
     def training_logits(
         self,

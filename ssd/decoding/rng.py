@@ -1,0 +1,76 @@
+"""Per-row random streams: what row b draws depends only on its own seed and on how much it has drawn.
+
+torch.Generator gives a batch ONE stream, so the numbers row b sees depend on the batch it sits in;
+batched evaluation must reproduce batch 1 token for token. Here every row has a counter-based stream
+(splitmix64 of seed + counter, written with int64 tensor ops because torch has no per-row generator):
+no host sync, any device, and the same numbers for row b whatever batch it is decoded in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 that has its bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed ints)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
+    z = (z ^ _shift_right(z, 30)) * _MUL1
+    z = (z ^ _shift_right(z, 27)) * _MUL2
+    return z ^ _shift_right(z, 31)
+
+
+class RowRandom:
+    """One random stream per batch row, seeded by `seeds` (one int per row)."""
+
+    def __init__(self, seeds: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> None:
+        seeds = [int(s) for s in torch.as_tensor(seeds).reshape(-1).tolist()]
+        self.seeds = tuple(seeds)
+        self.keys = _mix(torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.long, device=device))
+        self.drawn = 0  # numbers drawn per row so far (host-side: advancing it needs no sync)
+
+    @classmethod
+    def from_generator(cls, generator: torch.Generator | None, batch: int, device=None) -> RowRandom:
+        """Row streams seeded from a torch.Generator (or torch's global RNG when None)."""
+        seeds = torch.randint(0, 2**62, (batch,), generator=generator, device="cpu")
+        return cls(seeds, device)
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    def rows(self, index: torch.Tensor | Sequence[int]) -> RowRandom:
+        """The streams of a subset of rows, at the same position (a copy: drawing from it does not advance this one)."""
+        sub = RowRandom.__new__(RowRandom)
+        index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
+        sub.seeds = tuple(self.seeds[i] for i in index.tolist())
+        sub.keys, sub.drawn = self.keys[index], self.drawn
+        return sub
+
+    def bits(self, n: int) -> torch.Tensor:
+        """[B, n] int64 of 64 random bits each; advances every row's stream by n."""
+        counter = torch.arange(self.drawn + 1, self.drawn + n + 1, device=self.keys.device, dtype=torch.long)
+        self.drawn += n
+        return _mix(self.keys[:, None] + counter * _GOLDEN)
+
+    def uniform(self, n: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[B, n] uniform in [0, 1), with as many random bits as `dtype` holds (24 or 53)."""
+        mantissa = 53 if dtype == torch.float64 else 24
+        return _shift_right(self.bits(n), 64 - mantissa).to(dtype) / float(1 << mantissa)
