@@ -310,3 +310,29 @@ def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny
     assert vocoder.vocode(np.zeros(NEW_TOKENS, np.int64), vprompt).shape == (48_000,)
     _prompt_for(OmegaConf.create({"eval": {}}), models, pair, cache)  # the second item with this prompt
     assert len(sys.modules["cosyvoice.cli.frontend"].CALLS) == 1
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_written_model_dir_opens_with_upstreams_qwen2_loader_and_ours(tmp_path, tiny_cosyvoice2_dir, tied):
+    """Upstream builds its Qwen2 by Qwen2ForCausalLM.from_pretrained(CosyVoice-BlankEN/), then loads llm.pt
+    over the whole LM strictly; both must find the same text-LM weights. Our loader stays strict too."""
+    from transformers import Qwen2ForCausalLM
+
+    from ssd.models.cosyvoice2 import CosyVoice2LM
+    from tests.fixtures_models import make_tiny_cosyvoice2_dir
+
+    model_dir = (
+        tiny_cosyvoice2_dir
+        if tied
+        else make_tiny_cosyvoice2_dir(tmp_path / "untied", tie_word_embeddings=False)
+    )
+    qwen, info = Qwen2ForCausalLM.from_pretrained(model_dir / "CosyVoice-BlankEN", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    llm_pt = torch.load(model_dir / "llm.pt", weights_only=True)
+    from_llm_pt = {k.removeprefix("llm.model."): v for k, v in llm_pt.items() if k.startswith("llm.model.")}
+    read = qwen.state_dict()
+    assert set(read) == set(from_llm_pt)
+    for key, value in from_llm_pt.items():
+        assert torch.equal(read[key], value), key
+    assert (qwen.lm_head.weight is qwen.model.embed_tokens.weight) == tied
+    CosyVoice2LM.from_dir(model_dir)  # strict llm.pt load, unchanged

@@ -1,7 +1,8 @@
 """CosyVoice 2's speech LM (Qwen2LM) behind the engine's SpeechLM interface.
 
 Loads a CosyVoice2-0.5B model directory as distributed (docs/targets.md §2.1): `llm.pt` and the Qwen2
-config + tokenizer in `CosyVoice-BlankEN/`. Key layout of `llm.pt`, loaded strictly:
+config + tokenizer in `CosyVoice-BlankEN/` (its `model.safetensors` is for upstream's loader; ours reads
+the same weights from llm.pt). Key layout of `llm.pt`, loaded strictly:
 
     llm_embedding.weight                                   [2, H]      row 0 = sos, row 1 = task_id
     speech_embedding.weight                                [S+3, H]    S = speech_token_size
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from ssd.files import read_checkpoint
@@ -45,6 +47,8 @@ LLM_FILE = "llm.pt"
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
 BACKBONE_PREFIX = "llm.model.model."
 TEXT_HEAD_KEY = "llm.model.lm_head.weight"
+UPSTREAM_QWEN_PREFIX = "llm.model."  # upstream's Qwen2Encoder.model: a transformers Qwen2ForCausalLM
+TEXT_LM_WEIGHTS = "model.safetensors"  # in CosyVoice-BlankEN/, read by upstream's loader only
 # Upstream's QwenTokenizer adds these to the BlankEN tokenizer (cosyvoice/tokenizer/tokenizer.py).
 TEXT_SPECIAL_TOKENS = (
     "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>", "[noise]",
@@ -187,7 +191,8 @@ class CosyVoice2LM(CachedSpeechLM):
         return out
 
     def save_dir(self, out_dir: str | Path) -> Path:
-        """Write llm.pt + CosyVoice-BlankEN/ (config.json and the tokenizer) in the distributed format."""
+        """Write llm.pt + CosyVoice-BlankEN/ (config.json, model.safetensors, the tokenizer) in the
+        distributed format, so upstream's CosyVoice2 loader opens the dir as well as ours."""
         if self.tokenizer is None:
             raise ValueError("save_dir needs the model's text tokenizer (CosyVoice2LM(tokenizer=...))")
         out_dir = Path(out_dir)
@@ -198,6 +203,17 @@ class CosyVoice2LM(CachedSpeechLM):
         if self.text_lm_head is None:  # tied: one tensor under both keys, as upstream's file has
             state[TEXT_HEAD_KEY] = state[BACKBONE_PREFIX + "embed_tokens.weight"]
         torch.save(state, out_dir / LLM_FILE)
+        # Upstream's Qwen2Encoder runs Qwen2ForCausalLM.from_pretrained(CosyVoice-BlankEN/) before llm.pt is
+        # loaded over it, so the text LM's weights must be there too (HF keys: llm.pt's minus "llm.model.").
+        text_lm = {
+            k.removeprefix(UPSTREAM_QWEN_PREFIX): v
+            for k, v in state.items()
+            if k.startswith(UPSTREAM_QWEN_PREFIX)
+        }
+        if self.text_lm_head is None:
+            # Tied: transformers ties lm_head to embed_tokens itself (safetensors refuses a shared tensor).
+            del text_lm[TEXT_HEAD_KEY.removeprefix(UPSTREAM_QWEN_PREFIX)]
+        save_file(text_lm, str(out_dir / TOKENIZER_SUBDIR / TEXT_LM_WEIGHTS), metadata={"format": "pt"})
         hf_config = self.backbone.config.to_hf()
         hf_config.architectures = ["Qwen2ForCausalLM"]
         hf_config.save_pretrained(out_dir / TOKENIZER_SUBDIR)
