@@ -98,7 +98,8 @@ def whisper_log_mel(audio: np.ndarray | torch.Tensor, n_mels: int = N_MELS) -> t
 
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
     """The project's one resampler (tokenizers, judges, vocoders): mono float audio at `orig_sr` ->
-    contiguous float32 at `target_sr`, by soxr (band-limited, high quality)."""
+    contiguous float32 at `target_sr`, by soxr (band-limited, high quality). Upstream CosyVoice uses
+    torchaudio's Resample, which cannot be imported next to this torch; docs/target-cosyvoice2.md §4."""
     wav = np.asarray(wav)
     if wav.ndim != 1:
         raise ValueError(
