@@ -167,4 +167,5 @@ class CosyVoice2Vocoder:
                 path = str(Path(tmp) / "prompt.wav")
                 sf.write(path, wav, sr, subtype="FLOAT")
                 inputs = frontend("", text, path, self.sample_rate, *extra)
-        return inputs["prompt_speech_feat"], inputs["flow_embedding"]
+        # Kept on the CPU (many prompts over a run); token2wav moves its inputs to the model's device itself.
+        return inputs["prompt_speech_feat"].cpu(), inputs["flow_embedding"].cpu()
