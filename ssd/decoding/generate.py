@@ -458,6 +458,11 @@ def decode_speculative(
             f"draft and target speak different vocabularies ({draft.vocab_size} vs {target.vocab_size} head "
             "entries): build the draft from this target (ssd.models.draft.build_draft)"
         )
+    if not hasattr(rule, "preserves_target_law"):
+        raise TypeError(
+            f"acceptance rule {type(rule).__name__} has no preserves_target_law: declare whether its output law "
+            "is the target's q (ssd.contracts.AcceptanceRule)"
+        )
     if track_tv and not diagnostics:
         raise ValueError("track_tv=True needs diagnostics=True (TV is a diagnostic): drop one of them")
     draft_sampling = draft_sampling or sampling
