@@ -64,6 +64,11 @@ class RowRandom:
             raise ValueError(
                 f"the RowRandom has {source.batch} row streams but the batch has {batch} rows: give one seed per row"
             )
+        if device is not None and source.keys.device.type != torch.device(device).type:
+            raise ValueError(
+                f"the RowRandom lives on {source.keys.device} but the decode runs on {device}: build it with "
+                f"RowRandom(seeds, device={str(device)!r})"
+            )
         return source
 
     @property
