@@ -119,18 +119,24 @@ def trigram_models():
 
 
 def joint_law(model, prompt, cfg, length, eos, min_len=0, context=()) -> dict[tuple, float]:
-    """P(first `length` tokens) under AR sampling from `cfg` (a sequence may end early at `eos`); the
-    whole-context history is context ++ the tokens so far."""
+    """P(first `length` tokens) under AR sampling from `cfg` (a sequence may end early at a stop token); the
+    history is context ++ the tokens so far for a whole-context law, the last cfg.window tokens for RAS.
+    A sequence ended by any stop token is recorded as ending with `eos` (decoded tokens omit the stop token)."""
     law = {}
 
     def walk(prefix: tuple, prob: float):
         if len(prefix) == length or (prefix and prefix[-1] in cfg.stop_tokens):
-            law[prefix] = law.get(prefix, 0.0) + prob
+            key = prefix[:-1] + (eos,) if prefix and prefix[-1] in cfg.stop_tokens else prefix
+            law[key] = law.get(key, 0.0) + prob
             return
         cache, logits = model.prefill(prompt, length + 1)
         for t in prefix:
             logits = model.extend(cache, torch.tensor([[t]]))[:, -1]
-        window = torch.tensor([list(context) + list(prefix)]) if cfg.whole_context else None
+        window = None
+        if cfg.whole_context:
+            window = torch.tensor([list(context) + list(prefix)])
+        elif cfg.window:
+            window = torch.tensor([([-1] * cfg.window + list(prefix))[-cfg.window :]])
         q = distribution(cfg, logits.double(), window, len(prefix), min_len)[0]
         for t in q.nonzero().flatten().tolist():
             walk(prefix + (t,), prob * float(q[t]))
