@@ -17,13 +17,16 @@ import torch
 
 NUCLEUS_RULES = ("hf", "cosyvoice")
 RAS_VARIANTS = ("classic", "exclude_repeated")
-# eos_mode -> (which stop tokens it forbids before min_len, how) and the upstream CosyVoice 2 code it matches
-# (FunAudioLLM/CosyVoice, Qwen2LM.sampling_ids; docs/targets.md §6 has the dated history).
+# eos_mode -> what it forbids before min_len, and which upstream CosyVoice 2 code it matches
+# (FunAudioLLM/CosyVoice Qwen2LM.sampling_ids + inference; docs/targets.md §6 has the dated history).
 EOS_MODES = {
-    "resample_eos": "redraw while the draw is EOS; the other stop tokens end the sequence (upstream 2024-10 to 2025-12-08)",
+    "resample_eos": "redraw while the draw is EOS; the other stop tokens end the sequence (upstream 2025-08-21 "
+    "to 2025-12-08; before 2025-08-21 upstream skipped those two by re-feeding its last input, which no law "
+    "reproduces)",
     "resample": "redraw while the draw is any stop token (upstream 2025-12-09 to 2026-02-10)",
     "mask_eos": "EOS logit set to -inf; the other stop tokens end the sequence (upstream since 2026-02-11)",
-    "mask": "every stop token's logit set to -inf (upstream's vLLM path: min_tokens masks all stop_token_ids)",
+    "mask": "every stop token's logit set to -inf (no upstream sampling_ids; what vLLM's min_tokens does to "
+    "stop_token_ids in upstream's vLLM path)",
 }
 
 
