@@ -270,3 +270,37 @@ def test_llasa_speculative_reproduces_upstreams_law(llasa, cfg):
     emitted = [t for row in result.tokens for t in row]
     assert any(t > target.eos_token for t in emitted)  # text tokens were sampled and stayed in the context
     assert all(t < target.eos_token for row in result.tokens for t in target.codec_tokens(row))
+
+
+def test_verify_block_laws_equal_hf_generates_own_scores(llasa, tiny_llasa_dir):
+    """HF generate(do_sample, temperature=0.8, repetition_penalty=1.2) on the same checkpoint gives its
+    processed scores at each step; the engine's verify-block laws (prompt ids via context_ids, the block's
+    earlier tokens via the verification windows) equal them on every head id."""
+    from transformers import LlamaForCausalLM
+
+    from ssd.decoding.generate import _Output, _verification_windows
+
+    target, _ = llasa
+    cfg = replace(UPSTREAM_LORA, stop_tokens=target.stop_tokens)
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_llasa_dir), local_files_only=True).eval()
+    prompt = target.make_prompt(["bin blue"], ["lay green"], [[1, 2, 2]])
+    torch.manual_seed(3)
+    out = hf.generate(
+        prompt.input_ids[0][None], do_sample=True, temperature=0.8, top_p=1.0, repetition_penalty=1.2,
+        max_new_tokens=6, eos_token_id=target.speech_end_id, pad_token_id=target.speech_end_id,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    hf_laws = (
+        torch.cat(out.scores).double().softmax(-1)[:, target.to_global_ids(torch.arange(target.vocab_size))]
+    )
+    to_head = target._maps(torch.device("cpu"))[1]
+    block = to_head[out.sequences[0, prompt.input_ids[0].numel() :]][None]  # generated tokens, head ids
+    k = block.shape[1] - 1
+    cache, first = target.prefill(prompt, k + 2)
+    logits = torch.cat([first[:, None], target.extend(cache, block[:, :k])], 1)[0].double()
+    history = _Output(1, torch.tensor([k + 1]), cfg, "cpu", target, prompt, slack=k + 1)
+    windows = _verification_windows(history.last_window(), block[:, :k], history.window)[0]
+    torch.testing.assert_close(distribution(cfg, logits, windows), hf_laws, atol=1e-5, rtol=0)
+    # the same block with the un-extended history is another law
+    stale = history.last_window().expand(k + 1, -1)
+    assert (distribution(cfg, logits, stale) - hf_laws).abs().max() > 1e-3
