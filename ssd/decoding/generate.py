@@ -155,12 +155,8 @@ class _Output:
         self.stop = torch.tensor(cfg.stop_tokens or (-2,), dtype=torch.long, device=device)
         cap = int(self.max_len.max()) + 1
         self.history = torch.full((batch, cap), -1, dtype=torch.long, device=device)
-        self.context, self.generated_window = (
-            _context_columns(cfg, model, prompt, batch, slack, device),
-            cfg.window,
-        )
-        if cfg.whole_context:
-            self.generated_window = cap
+        self.context = _context_columns(cfg, model, prompt, batch, slack, device)
+        self.generated_window = cap if cfg.whole_context else cfg.window  # a whole-context law sees them all
         self.window = self.context.shape[1] + self.generated_window  # width of last_window()
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
