@@ -30,6 +30,10 @@ class SpeechLM(Protocol):
     The engine never looks inside a prompt or a cache: the adapter owns its input layout (CosyVoice 2:
     sos, text, task_id, prompt speech tokens) and its cache (static KV buffers with per-row lengths),
     so rows can accept different numbers of draft tokens in the same round.
+
+    Optional (not part of the runtime check): `context_ids(prompt) -> list[LongTensor]`, each row's prompt
+    ids in head space (ids outside the head dropped). The engine asks for it only when the sampling law
+    depends on the whole context (`SamplingConfig.whole_context`: the repetition penalty); LlasaLM has it.
     """
 
     vocab_size: int  # size of the speech head (logits' last dimension)

@@ -66,12 +66,15 @@ def test_temperature_and_greedy():
     assert distribution(SamplingConfig(temperature=0), logits).tolist() == [[0.0, 1.0, 0.0]]
 
 
-@pytest.mark.parametrize("mode", ["mask", "resample"])
+@pytest.mark.parametrize("mode", ["mask", "resample", "mask_eos", "resample_eos"])
 def test_stop_tokens_forbidden_before_min_len_only(mode):
     logits = torch.zeros(2, 6, dtype=torch.float64)
+    logits[0, 4:] = 1.0  # row 0: both stop tokens in the nucleus
     cfg = SamplingConfig(stop_tokens=(4, 5), eos_mode=mode, top_k=3, nucleus="cosyvoice")
     law = distribution(cfg, logits, step=torch.tensor([0, 3]), min_len=torch.tensor([2, 2]))
-    assert law[0, 4:].sum() == 0 and law[0].sum() == pytest.approx(1)
+    assert law[0, 4] == 0 and law[0].sum() == pytest.approx(1)
+    # "*_eos" forbid EOS (the first stop token) only; the other stop token keeps its mass and ends the row
+    assert (law[0, 5] == 0) == (mode in ("mask", "resample"))
     # after min_len stop tokens keep their nucleus mass (the first 3 ids under a stable sort)
     assert law[1].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0, 0, 0])
 
@@ -84,6 +87,101 @@ def test_eos_modes_differ_as_upstream_versions_do():
     resampled = distribution(SamplingConfig(eos_mode="resample", **cfg), logits, step=0, min_len=1)
     assert (masked[0] > 0).tolist() == [False, True, True, False]
     assert resampled[0].tolist() == pytest.approx([0, 1, 0, 0])  # nucleus {0, 1}, 0 refused
+
+
+STOP = (5, 6, 7)  # CosyVoice 2's three stop tokens (EOS first) in a vocabulary of 8
+EOS_LOGITS = torch.tensor([[1.0, 0.6, 0.2, -0.5, -1.0, 1.4, 1.1, 0.0]], dtype=torch.float64)
+EOS_NUCLEUS = SamplingConfig(top_k=4, top_p=0.9, nucleus="cosyvoice")
+
+
+def eos_procedure(mode: str, n: int, generator) -> torch.Tensor:
+    """Before min_len, each dated upstream Qwen2LM.sampling_ids written out literally (the nucleus draw is
+    CosyVoice's nucleus_sampling): redraw loops test the drawn id, masks set logits to -inf first."""
+    logits = EOS_LOGITS.clone()
+    if mode in ("mask", "mask_eos"):
+        logits[0, list(STOP if mode == "mask" else STOP[:1])] = float("-inf")
+    draws = sample(distribution(EOS_NUCLEUS, logits).expand(n, -1), generator)
+    refused = list(
+        STOP if mode == "resample" else STOP[:1]
+    )  # "resample_eos": only `speech_token_size not in top_ids`
+    if mode.startswith("resample"):
+        again = torch.isin(draws, torch.tensor(refused))
+        while again.any():
+            draws[again] = sample(distribution(EOS_NUCLEUS, logits).expand(int(again.sum()), -1), generator)
+            again = torch.isin(draws, torch.tensor(refused))
+    return draws
+
+
+def eos_p_value(law_mode: str, procedure_mode: str) -> float:
+    g = torch.Generator().manual_seed(7)
+    cfg = SamplingConfig(top_k=4, top_p=0.9, nucleus="cosyvoice", stop_tokens=STOP, eos_mode=law_mode)
+    law = distribution(cfg, EOS_LOGITS, step=0, min_len=1)[0].numpy()
+    n = 40_000
+    observed = np.bincount(eos_procedure(procedure_mode, n, g).numpy(), minlength=law.shape[0])
+    support = law > 0
+    if observed[~support].sum():
+        return 0.0
+    return chisquare(observed[support], law[support] * n).pvalue
+
+
+EOS_MODE_NAMES = ["mask", "mask_eos", "resample", "resample_eos"]
+
+
+@pytest.mark.parametrize("mode", EOS_MODE_NAMES)
+def test_eos_closed_form_matches_upstreams_procedure(mode):
+    assert eos_p_value(mode, mode) > P_REJECT
+
+
+@pytest.mark.parametrize(
+    "law,procedure", [(a, b) for a in EOS_MODE_NAMES for b in EOS_MODE_NAMES if a != b], ids=str
+)
+def test_eos_test_rejects_every_other_mode(law, procedure):
+    """Negative control: the same test tells the four dated upstream rules apart."""
+    assert eos_p_value(law, procedure) < P_REJECT
+
+
+@pytest.mark.parametrize("mode", EOS_MODE_NAMES)
+def test_speculative_decoding_is_exact_under_each_eos_mode(mode):
+    """Two stop tokens, min_len 2, CosyVoice's nucleus + RAS: speculative decoding reproduces the enumerated
+    joint law of the first three tokens; its samples fail the law of another mode (negative control)."""
+    from engine_models import trigram_pair
+    from test_llasa_law import joint_law, p_value
+
+    from ssd.decoding.acceptance import ExactRule
+    from ssd.decoding.generate import decode_speculative
+
+    vocab, prompt, n_seq = 6, torch.tensor([[1, 2]]), 20_000
+    target, draft = trigram_pair(vocab, seed=5, draft_noise=1.5, scale=1.5)
+    target.table[..., 4:] += 1.0  # stop tokens likely enough for the rules to matter
+    cfgs = {
+        m: SamplingConfig(
+            top_k=3, top_p=0.9, nucleus="cosyvoice", ras_window=10, stop_tokens=(4, 5), eos_mode=m
+        )
+        for m in EOS_MODE_NAMES
+    }
+    g = torch.Generator().manual_seed(0)
+    tokens = decode_speculative(
+        target,
+        draft,
+        prompt.expand(n_seq, -1),
+        cfgs[mode],
+        ExactRule(),
+        draft_len=3,
+        max_len=3,
+        min_len=2,
+        generator=g,
+    ).tokens
+    laws = {m: joint_law(target, prompt, cfg, 3, 4, min_len=2) for m, cfg in cfgs.items()}
+    assert p_value(tokens, laws[mode], 3, 4) > P_REJECT
+    other = {"mask": "mask_eos", "mask_eos": "mask", "resample": "resample_eos", "resample_eos": "resample"}[
+        mode
+    ]
+    assert p_value(tokens, laws[other], 3, 4) < P_REJECT
+
+
+def test_eos_mode_names_say_which_upstream_dates_they_match():
+    with pytest.raises(ValueError, match=r"'mask_eos': .*since 2026-02-11.*Got 'redraw'"):
+        SamplingConfig(eos_mode="redraw")
 
 
 def ras_procedure(logits, window, cfg, n, generator):

@@ -195,12 +195,15 @@ class _Clock:
 class _Output:
     """Emitted tokens per row, the generated-history window, stop/max_len handling (all on the device)."""
 
-    def __init__(self, batch: int, max_len: torch.Tensor, cfg: SamplingConfig, device):
+    def __init__(self, batch: int, max_len: torch.Tensor, cfg: SamplingConfig, device, model=None, prompt=None,
+                 slack: int = 0):  # fmt: skip
         self.max_len = max_len.to(device)
-        self.window = cfg.window
         self.stop = torch.tensor(cfg.stop_tokens or (-2,), dtype=torch.long, device=device)
         cap = int(self.max_len.max()) + 1
         self.history = torch.full((batch, cap), -1, dtype=torch.long, device=device)
+        self.context = _context_columns(cfg, model, prompt, batch, slack, device)
+        self.generated_window = cap if cfg.whole_context else cfg.window  # a whole-context law sees them all
+        self.window = self.context.shape[1] + self.generated_window  # width of last_window()
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # ended by a stop token
@@ -219,9 +222,11 @@ class _Output:
         return [done, *rest]
 
     def last_window(self) -> torch.Tensor:
-        """[B, W]: the last W generated tokens, -1 where fewer exist."""
-        idx = self.count.unsqueeze(-1) - self.window + torch.arange(self.window, device=self.count.device)
-        return torch.where(idx >= 0, self.history.gather(1, idx.clamp_min(0)), -1)
+        """[B, W]: the last W generated tokens, -1 where fewer exist (a whole-context law: after the prompt's ids)."""
+        w = self.generated_window
+        idx = self.count.unsqueeze(-1) - w + torch.arange(w, device=self.count.device)
+        generated = torch.where(idx >= 0, self.history.gather(1, idx.clamp_min(0)), -1)
+        return torch.cat([self.context, generated], 1) if self.context.shape[1] else generated
 
     def emit(self, block: torch.Tensor, block_len: torch.Tensor) -> torch.Tensor:
         """Append block[b, :block_len[b]] to each active row, cut at a stop token or max_len.
@@ -249,6 +254,24 @@ class _Output:
 
     def reasons(self) -> list[str]:
         return ["stop" if s else "max_len" for s in self.stopped.tolist()]
+
+
+def _context_columns(cfg: SamplingConfig, model, prompt, batch: int, slack: int, device) -> torch.Tensor:
+    """[B, slack + P]: for a whole-context law, the prompt's ids in head space (model.context_ids), -1-padded
+    on the left; the `slack` leading -1 columns keep them in every verification window (_verification_windows
+    shifts by one column per draft position). [B, 0] for other laws."""
+    if not cfg.whole_context:
+        return torch.empty(batch, 0, dtype=torch.long, device=device)
+    if not hasattr(model, "context_ids"):
+        raise TypeError(
+            f"sampling.repetition_penalty needs the prompt's ids: {type(model).__name__} has no context_ids(prompt) "
+            "(ssd.contracts.SpeechLM); set sampling.repetition_penalty=null for this model"
+        )
+    rows = [
+        torch.as_tensor(r, dtype=torch.long, device=device).reshape(-1) for r in model.context_ids(prompt)
+    ]
+    width = slack + max((r.numel() for r in rows), default=0)
+    return torch.stack([torch.cat([r.new_full((width - r.numel(),), -1), r]) for r in rows])
 
 
 def _as_rows(value, batch: int, device) -> torch.Tensor:
@@ -285,7 +308,7 @@ def decode_ar(
     device, batch = logits.device, logits.shape[0]
     generator = RowRandom.of(generator, batch, device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
-    out = _Output(batch, max_len, sampling, device)
+    out = _Output(batch, max_len, sampling, device, model, prompt)
     calls = torch.zeros(batch, dtype=torch.long, device=device)  # model calls while each row was active
 
     def latest() -> dict:
@@ -491,7 +514,7 @@ def decode_speculative(
         )
     generator = RowRandom.of(generator, batch, device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
-    out = _Output(batch, max_len, sampling, device)
+    out = _Output(batch, max_len, sampling, device, target, prompt, slack=k_max + 1)
     tally = _Tally(batch, k_max, device, overlap=diagnostics, tv=track_tv)
     logits_d = logits_v = None
 
@@ -512,7 +535,7 @@ def decode_speculative(
         logits_d = draft.extend(cache_d, pending_d)[:, -1]
         xs, ps = [], []
         for i in range(k):
-            hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
+            hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], out.window)
             x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
             xs.append(x)
             ps.append(p)
@@ -534,7 +557,7 @@ def decode_speculative(
         qs = distribution(
             sampling,
             logits_v.reshape(-1, vocab),
-            history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
+            history_windows(window, xs, out.window).reshape(batch * (k + 1), -1),
             steps,
             min_len.repeat_interleave(k + 1),
         ).reshape(batch, k + 1, vocab)

@@ -19,7 +19,17 @@ from ssd.decoding.rng import RowRandom
 
 NUCLEUS_RULES = ("hf", "cosyvoice")
 RAS_VARIANTS = ("classic", "exclude_repeated")
-EOS_MODES = ("mask", "resample")
+# eos_mode -> what it forbids before min_len, and which upstream CosyVoice 2 code it matches
+# (FunAudioLLM/CosyVoice Qwen2LM.sampling_ids + inference; docs/targets.md §6 has the dated history).
+EOS_MODES = {
+    "resample_eos": "redraw while the draw is EOS; the other stop tokens end the sequence (upstream 2025-08-21 "
+    "to 2025-12-08; before 2025-08-21 upstream skipped those two by re-feeding its last input, which no law "
+    "reproduces)",
+    "resample": "redraw while the draw is any stop token (upstream 2025-12-09 to 2026-02-10)",
+    "mask_eos": "EOS logit set to -inf; the other stop tokens end the sequence (upstream since 2026-02-11)",
+    "mask": "every stop token's logit set to -inf (no upstream sampling_ids; what vLLM's min_tokens does to "
+    "stop_token_ids in upstream's vLLM path)",
+}
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,15 @@ class SamplingConfig:
              ras_window GENERATED tokens is replaced by a draw from the full softmax.
     ras_variant: "classic" (fallback from the full softmax) or "exclude_repeated"
              (Feb-2026 upstream: the repeated id is excluded from the fallback).
-    stop_tokens: ids that end a sequence. Before min_len they are forbidden:
-    eos_mode: "mask" = logits of stop tokens set to -inf first (newer upstream);
-              "resample" = redraw until not a stop token, i.e. the law conditioned on
-              "not a stop token" (older upstream).
+    stop_tokens: ids that end a sequence; the first is EOS. Before min_len some are forbidden:
+    eos_mode: which ones and how (EOS_MODES says which upstream dates each matches).
+              "mask" / "mask_eos": logits of all stop tokens / of EOS only set to -inf first;
+              "resample" / "resample_eos": redraw while the draw is any stop token / EOS, i.e. the
+              law conditioned on not drawing them.
+    repetition_penalty: HF's RepetitionPenaltyLogitsProcessor (LLaSA's fine-tuning example uses 1.2):
+             every id present in the WHOLE context (prompt ids included) has its logit multiplied by
+             the penalty if negative, divided by it otherwise, before temperature and top-k/top-p,
+             as HF orders its processors. The law then needs the whole history (`whole_context`).
     """
 
     temperature: float = 1.0
@@ -50,6 +65,7 @@ class SamplingConfig:
     ras_variant: str = "classic"
     stop_tokens: tuple[int, ...] = field(default_factory=tuple)
     eos_mode: str = "mask"
+    repetition_penalty: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -62,17 +78,40 @@ class SamplingConfig:
         for name, value, allowed in (
             ("nucleus", self.nucleus, NUCLEUS_RULES),
             ("ras_variant", self.ras_variant, RAS_VARIANTS),
-            ("eos_mode", self.eos_mode, EOS_MODES),
         ):
             if value not in allowed:
                 raise ValueError(f"sampling.{name} must be one of {allowed}, got {value!r}")
+        if self.eos_mode not in EOS_MODES:
+            modes = "; ".join(f"{k!r}: {v}" for k, v in EOS_MODES.items())
+            raise ValueError(f"sampling.eos_mode must be one of {modes}. Got {self.eos_mode!r}")
         if self.ras_window < 0:
             raise ValueError(f"ras_window must be >= 0, got {self.ras_window}")
+        if self.repetition_penalty is not None:
+            if not self.repetition_penalty > 0:
+                raise ValueError(
+                    f"sampling.repetition_penalty must be > 0 or null, got {self.repetition_penalty}"
+                )
+            if self.ras_window:
+                # RAS reads the last ras_window GENERATED tokens; a whole-context history would feed it prompt ids.
+                raise ValueError(
+                    "sampling.repetition_penalty and sampling.ras_window > 0 cannot be combined: set one to null/0"
+                )
 
     @property
     def window(self) -> int:
-        """How many generated tokens the law depends on."""
+        """How many generated tokens the law depends on (see whole_context for the rest)."""
         return self.ras_window
+
+    @property
+    def whole_context(self) -> bool:
+        """The law depends on every id of the context, prompt included: the engine passes the prompt's ids
+        (the model's context_ids) and all generated tokens as the history window."""
+        return self.repetition_penalty is not None
+
+    @property
+    def forbidden_before_min_len(self) -> tuple[int, ...]:
+        """The stop tokens eos_mode forbids before min_len."""
+        return self.stop_tokens if self.eos_mode in ("mask", "resample") else self.stop_tokens[:1]
 
     @property
     def greedy(self) -> bool:
@@ -88,7 +127,8 @@ def distribution(
 ) -> torch.Tensor:
     """The per-step sampling law for each row.
 
-    logits [N, V]; window [N, W] = the last W generated tokens (-1 where fewer exist);
+    logits [N, V]; window [N, W] = the last W generated tokens (-1 where fewer exist; with
+    cfg.whole_context, every id of the context: prompt ids and generated tokens, in any order);
     step [N] = index of the token being sampled (0 = first generated token);
     min_len [N] = stop tokens are forbidden while step < min_len.
     Returns probabilities [N, V] (rows sum to 1) in logits.dtype.
@@ -96,10 +136,13 @@ def distribution(
     n_rows, vocab = logits.shape
     step = torch.as_tensor(step, device=logits.device).expand(n_rows)
     min_len = torch.as_tensor(min_len, device=logits.device).expand(n_rows)
-    stop = torch.tensor(cfg.stop_tokens, dtype=torch.long, device=logits.device)
+    stop = torch.tensor(cfg.forbidden_before_min_len, dtype=torch.long, device=logits.device)
     forbid_stop = (step < min_len) if len(stop) else None
+    masking = cfg.eos_mode in ("mask", "mask_eos") or cfg.greedy
 
-    if forbid_stop is not None and (cfg.eos_mode == "mask" or cfg.greedy):
+    if cfg.repetition_penalty is not None and window is not None:
+        logits = _repetition_penalty(logits, window, cfg.repetition_penalty)
+    if forbid_stop is not None and masking:
         logits = logits.clone()
         logits[forbid_stop.nonzero()[:, :1], stop] = float("-inf")
 
@@ -111,7 +154,7 @@ def distribution(
     nucleus = _nucleus(cfg, logits, probs)
     law = nucleus if cfg.ras_window == 0 else _ras(cfg, nucleus, probs, window)
 
-    if forbid_stop is not None and cfg.eos_mode == "resample":
+    if forbid_stop is not None and not masking:
         law = law.clone()
         law[forbid_stop.nonzero()[:, :1], stop] = 0.0
         mass = law.sum(-1, keepdim=True)
@@ -119,11 +162,22 @@ def distribution(
         if hopeless.any():
             # The whole law sat on stop tokens: upstream's redraw loop gives up (raises) after
             # 100 tries; we take the masked law for those rows instead of failing the batch.
-            masked = distribution(replace(cfg, eos_mode="mask"), logits[hopeless], None if window is None
+            # `logits` are already penalised and tempered: the masked law of those rows, from here on.
+            masked = distribution(replace(cfg, eos_mode=cfg.eos_mode.replace("resample", "mask"), temperature=1.0,
+                                          repetition_penalty=None), logits[hopeless], None if window is None
                                   else window[hopeless], step[hopeless], min_len[hopeless])  # fmt: skip
             law[hopeless], mass[hopeless] = masked, 1.0
         law = law / mass
     return law
+
+
+def _repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor: each id present in `context` [N, W] (-1 = none) once."""
+    n_rows, vocab = logits.shape
+    present = torch.zeros(n_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    present.scatter_(1, torch.where(context >= 0, context, vocab), True)
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(present[:, :vocab], penalised, logits)
 
 
 def _nucleus(cfg: SamplingConfig, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -8,14 +8,17 @@ then the speech tokens <|s_0|> ... <|s_65535|>. The speech-token offset and the 
 from the tokenizer, never assumed.
 
 Prompt (as LLaSA's inference code): the chat template applied to
-  user: "Convert the text to speech:<|TEXT_UNDERSTANDING_START|>{prompt_text} {text}<|TEXT_UNDERSTANDING_END|>"
+  user: "Convert the text to speech:<|TEXT_UNDERSTANDING_START|>{prompt_text}{joiner}{text}<|TEXT_UNDERSTANDING_END|>"
   assistant: "<|SPEECH_GENERATION_START|>" + prompt speech tokens
-with continue_final_message, so generation continues the assistant turn.
+with continue_final_message, so generation continues the assistant turn (joiner: `prompt_joiner`, " " as
+the authors' Spaces demo, "" as the model card's example).
 
-SpeechLM head: vocab_size = num_speech_tokens + 1. Ids 0..n-1 are X-codec2 codes (global id
-offset + code); id n is EOS, standing for <|SPEECH_GENERATION_END|>. Logits are the LM head rows of
-those n + 1 tokens only: text tokens are excluded, i.e. the model's distribution conditioned on
-emitting speech or the end token (upstream HF generate could in principle emit a text token).
+SpeechLM head (`head`): ids 0..n-1 are the X-codec2 codes <|s_0|>..<|s_{n-1}|>, id n is EOS
+(<|SPEECH_GENERATION_END|>), so codes, EOS and training targets read the same under both options.
+  "full" (upstream's law): ids n+1.. are every other LLaMA vocabulary id (text and special tokens) in
+         ascending order; the law can emit a text token, which stays in the context and is dropped
+         before the codec (codec_tokens), as upstream's generate + extract_speech_ids do.
+  "speech": the head is those n + 1 entries only: the model's law conditioned on speech or the end.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ SPECIAL_TOKENS = (
     "<|SPEECH_UNDERSTANDING_START|>", "<|SPEECH_UNDERSTANDING_END|>",
 )  # fmt: skip
 SPEECH_END = "<|SPEECH_GENERATION_END|>"
+HEADS = ("full", "speech")
 TRAINED_MAX_LENGTH = 2048  # LLaSA was trained with sequences of at most 2048 tokens
 
 
@@ -80,6 +84,8 @@ class LlasaLM(CachedSpeechLM):
         speech_end_id: int,
         tokenizer: Any = None,
         max_length: int = TRAINED_MAX_LENGTH,
+        head: str = "full",
+        prompt_joiner: str = " ",
     ) -> None:
         super().__init__()
         if speech_offset + num_speech_tokens > backbone_config.vocab_size:
@@ -87,13 +93,21 @@ class LlasaLM(CachedSpeechLM):
                 f"speech tokens [{speech_offset}, {speech_offset + num_speech_tokens}) exceed the vocabulary "
                 f"({backbone_config.vocab_size})"
             )
+        if head not in HEADS:
+            raise ValueError(f"target.model.head must be one of {HEADS} (docs/target-llasa.md), got {head!r}")
         self.backbone = Backbone(backbone_config)
         # Always a module; when the checkpoint ties it, it holds the embedding's own tensor.
         self.lm_head = nn.Linear(backbone_config.hidden_size, backbone_config.vocab_size, bias=False)
         self.speech_offset = speech_offset
         self.num_speech_tokens = num_speech_tokens
         self.speech_end_id = speech_end_id
-        self.vocab_size = num_speech_tokens + 1
+        self.head = head
+        self.prompt_joiner = prompt_joiner
+        # Contiguous LLaMA-id ranges in head order: codes, end, then (full head) the rest ascending.
+        self._head_ranges = _head_ranges(backbone_config.vocab_size, speech_offset, num_speech_tokens, speech_end_id,
+                                         head)  # fmt: skip
+        self._id_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.vocab_size = sum(end - start for start, end in self._head_ranges)
         self.speech_token_size = num_speech_tokens
         self.eos_token = num_speech_tokens
         self.stop_tokens = (num_speech_tokens,)
@@ -111,8 +125,11 @@ class LlasaLM(CachedSpeechLM):
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         num_speech_tokens: int | None = None,
+        head: str = "full",
+        prompt_joiner: str = " ",
     ) -> LlasaLM:
-        """Load an HF LLaSA dir. num_speech_tokens defaults to vocab_size - offset of <|s_0|>."""
+        """Load an HF LLaSA dir. num_speech_tokens defaults to vocab_size - offset of <|s_0|>; head and
+        prompt_joiner as the class docstring says."""
         from transformers import AutoConfig
 
         model_dir = require_model_dir(
@@ -143,7 +160,9 @@ class LlasaLM(CachedSpeechLM):
         }
         mapped.setdefault("lm_head.weight", mapped["backbone.embed_tokens.weight"])  # tied
         with torch.device("meta"):
-            model = cls(config, offset, n, end_id, tokenizer=tokenizer)
+            model = cls(
+                config, offset, n, end_id, tokenizer=tokenizer, head=head, prompt_joiner=prompt_joiner
+            )
         model.load_state_dict(mapped, strict=True, assign=True)
         model.backbone.init_rope()
         return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
@@ -158,7 +177,7 @@ class LlasaLM(CachedSpeechLM):
         prompt_texts, prompt_speech_tokens = prompt_rows(texts, prompt_texts, prompt_speech_tokens)
         rows = []
         for text, prompt_text, speech in zip(texts, prompt_texts, prompt_speech_tokens):
-            ids = self._chat_ids(f"{prompt_text} {text}" if prompt_text else text)
+            ids = self._chat_ids(f"{prompt_text}{self.prompt_joiner}{text}" if prompt_text else text)
             speech = torch.as_tensor(list(speech), dtype=torch.long)
             self._check_speech_ids(speech, "prompt speech tokens")
             if speech.numel() and int(speech.max()) >= self.num_speech_tokens:
@@ -208,19 +227,40 @@ class LlasaLM(CachedSpeechLM):
             raise TypeError(f"LlasaLM needs a LlasaPrompt, got {type(prompt).__name__}")
         return pad_right([self.backbone.embed_tokens(ids.to(self.device)) for ids in prompt.input_ids])
 
+    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head id -> LLaMA id [V], LLaMA id -> head id or -1 [vocabulary]) on `device`, built once per device."""
+        if device not in self._id_maps:
+            to_global = torch.cat([torch.arange(a, b, device="cpu") for a, b in self._head_ranges])
+            to_head = torch.full((self.backbone.config.vocab_size,), -1, dtype=torch.long, device="cpu")
+            to_head[to_global] = torch.arange(len(to_global), device="cpu")
+            self._id_maps[device] = (to_global.to(device), to_head.to(device))
+        return self._id_maps[device]
+
     def to_global_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Speech-head ids -> LLaMA vocabulary ids (EOS -> <|SPEECH_GENERATION_END|>)."""
-        return torch.where(tokens == self.eos_token, self.speech_end_id, tokens + self.speech_offset)
+        """Head ids -> LLaMA vocabulary ids (EOS -> <|SPEECH_GENERATION_END|>)."""
+        return self._maps(tokens.device)[0][tokens]
+
+    def context_ids(self, prompt: LlasaPrompt) -> list[torch.Tensor]:
+        """Each row's prompt ids in head space (ids outside the head dropped): the context a whole-context
+        law (sampling.repetition_penalty) penalises besides the generated tokens."""
+        rows = []
+        for ids in prompt.input_ids:
+            head_ids = self._maps(ids.device)[1][ids]
+            rows.append(head_ids[head_ids >= 0])
+        return rows
+
+    def codec_tokens(self, tokens: list[int]) -> list[int]:
+        """Generated head ids -> X-codec2 codes: text tokens the full head emitted are dropped (as upstream's
+        extract_speech_ids skips every token that is not <|s_N|>); <|s_N|> is head id N already."""
+        return [t for t in tokens if 0 <= t < self.num_speech_tokens]
 
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed_tokens(self.to_global_ids(tokens))
 
     def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Two matmuls over views of the head (no copy of the 65k-row slice).
+        # One matmul per contiguous range of head rows (views: no copy of the 65k+-row head).
         weight = self.lm_head.weight
-        codes = F.linear(hidden, weight[self.speech_offset : self.speech_offset + self.num_speech_tokens])
-        end = F.linear(hidden, weight[self.speech_end_id : self.speech_end_id + 1])
-        return torch.cat([codes, end], dim=-1)
+        return torch.cat([F.linear(hidden, weight[a:b]) for a, b in self._head_ranges], dim=-1)
 
     # --- drafts --------------------------------------------------------------------------------
     def module_groups(self) -> dict[str, nn.Module]:
@@ -234,8 +274,21 @@ class LlasaLM(CachedSpeechLM):
         with torch.device("meta"):
             return type(self)(
                 self.backbone.config.with_layers(num_layers), self.speech_offset, self.num_speech_tokens,
-                self.speech_end_id, self.tokenizer, self.max_length,
+                self.speech_end_id, self.tokenizer, self.max_length, self.head, self.prompt_joiner,
             )  # fmt: skip
+
+
+def _head_ranges(vocab: int, offset: int, n: int, end_id: int, head: str) -> list[tuple[int, int]]:
+    """The head's LLaMA ids as contiguous [start, end) ranges, in head order."""
+    if offset <= end_id < offset + n:
+        raise ValueError(
+            f"<|SPEECH_GENERATION_END|> (id {end_id}) lies among the speech tokens [{offset}, {offset + n})"
+        )
+    ranges = [(offset, offset + n), (end_id, end_id + 1)]
+    if head == "full":
+        cuts = sorted({0, vocab, offset, offset + n, end_id, end_id + 1})
+        ranges += [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a and (a, b) not in ranges]
+    return ranges
 
 
 def _token_id(tokenizer: Any, token: str, model_dir: Path) -> int:
