@@ -83,7 +83,11 @@ class CachedSpeechLM(nn.Module):
         return logits.clone() if self._compiled_step is not None else logits
 
     def _static_step_logits(
-        self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        lengths: torch.Tensor,
     ) -> torch.Tensor:
         """The static step from speech ids to float32 logits (what compile_decoding compiles)."""
         hidden = self.backbone.static_forward(self.embed_speech(tokens), k_cache, v_cache, lengths)
