@@ -413,8 +413,9 @@ class Backbone(nn.Module):
     ) -> torch.Tensor:
         """The static step: no Python-int slicing and no host sync, fixed shapes for a given block
         length (so torch.compile with CUDA graphs can capture it). Row b's block goes to positions
-        lengths[b] + j by indexed assignment (in place under inductor); attention runs over the whole capacity with a mask built from
-        lengths. The caller advances lengths (stale entries past them stay masked)."""
+        lengths[b] + j by indexed assignment (in place under inductor); attention runs over the whole
+        capacity with a mask built from lengths. The caller advances lengths (stale entries past them
+        stay masked)."""
         b, k, _ = inputs_embeds.shape
         capacity = k_cache[0].shape[2]
         device = inputs_embeds.device
