@@ -34,6 +34,11 @@ class SpeechLM(Protocol):
     Optional (not part of the runtime check): `context_ids(prompt) -> list[LongTensor]`, each row's prompt
     ids in head space (ids outside the head dropped). The engine asks for it only when the sampling law
     depends on the whole context (`SamplingConfig.whole_context`: the repetition penalty); LlasaLM has it.
+
+    Optional: `compile_decoding(mode="reduce-overhead", fullgraph=True) -> self` switches the model to a
+    static, graph-capturable decode step and compiles it (`ssd.models.base.CachedSpeechLM`, delegated by
+    `ssd.models.draft.Draft`); the runner calls it on target and draft when `decoding.compile` is true.
+    Caches prefilled after the call use the static step (docs/gpu.md).
     """
 
     vocab_size: int  # size of the speech head (logits' last dimension)

@@ -7,7 +7,7 @@ and teacher-forced `training_logits` live here once (`ssd.contracts.TTSTargetLM`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ from torch import nn
 
 from ssd.contracts import IGNORE_INDEX
 from ssd.models.transformer import Backbone, KVCache
+
+RECOMPILE_LIMIT = 128  # step graphs per code object: batch sizes x block lengths x capacities, all models
 
 
 class CachedSpeechLM(nn.Module):
@@ -26,6 +28,7 @@ class CachedSpeechLM(nn.Module):
     speech_token_size: int
     eos_token: int
     stop_tokens: tuple[int, ...]
+    _compiled_step: Callable[..., torch.Tensor] | None = None  # set by compile_decoding
 
     # --- what a subclass provides -------------------------------------------------------------
     def embed_prompt(self, prompt: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +72,46 @@ class CachedSpeechLM(nn.Module):
             raise ValueError(
                 f"extend: tokens must be [B={cache.lengths.shape[0]}, k], got {tuple(tokens.shape)}"
             )
-        hidden = self.backbone.forward_cached(self.embed_speech(tokens.to(self.device)), cache)
+        tokens = tokens.to(self.device)
+        if not cache.static:
+            return self.speech_logits(self.backbone.forward_cached(self.embed_speech(tokens), cache)).float()
+        self.backbone.check_static_cache(cache, tokens.shape[1])
+        step = self._compiled_step or self._static_step_logits
+        logits = step(tokens, cache.k, cache.v, cache.lengths)
+        cache.lengths = cache.lengths + tokens.shape[1]
+        # CUDA graphs reuse their output memory at the next replay: hand the caller its own copy.
+        return logits.clone() if self._compiled_step is not None else logits
+
+    def _static_step_logits(
+        self,
+        tokens: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """The static step from speech ids to float32 logits (what compile_decoding compiles)."""
+        hidden = self.backbone.static_forward(self.embed_speech(tokens), k_cache, v_cache, lengths)
         return self.speech_logits(hidden).float()
+
+    def compile_decoding(
+        self,
+        mode: str | None = "reduce-overhead",
+        fullgraph: bool = True,
+        backend: str | Callable[..., Any] = "inductor",
+    ) -> CachedSpeechLM:
+        """Switch to the static decode path and compile its step (embedding, layers, head) with
+        torch.compile(dynamic=False): one graph per (batch size, block length, cache capacity); with
+        mode="reduce-overhead" on CUDA each is replayed as a CUDA graph (docs/gpu.md). Prefill stays
+        eager. Caches made before this call keep the eager path. Returns self."""
+        self.backbone.static_step = True
+        # Every compiled model shares the one code object of _static_step_logits, and dynamo's default
+        # of 8 graphs per code object would be spent by a target's and a draft's block lengths alone.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        options = {"mode": mode} if backend == "inductor" else {}
+        self._compiled_step = torch.compile(
+            self._static_step_logits, fullgraph=fullgraph, dynamic=False, backend=backend, **options
+        )
+        return self
 
     def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
         cache.rollback(n)

@@ -106,7 +106,13 @@ class LlasaLM(CachedSpeechLM):
         # Contiguous LLaMA-id ranges in head order: codes, end, then (full head) the rest ascending.
         self._head_ranges = _head_ranges(backbone_config.vocab_size, speech_offset, num_speech_tokens, speech_end_id,
                                          head)  # fmt: skip
-        self._id_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Id maps as buffers (they follow .to(device); a per-device dict filled lazily would make a compiled
+        # step recompile once it is filled). Built on the CPU explicitly: from_dir constructs on "meta".
+        to_global = torch.cat([torch.arange(a, b, device="cpu") for a, b in self._head_ranges])
+        to_head = torch.full((backbone_config.vocab_size,), -1, dtype=torch.long, device="cpu")
+        to_head[to_global] = torch.arange(len(to_global), device="cpu")
+        self.register_buffer("head_to_global", to_global, persistent=False)
+        self.register_buffer("global_to_head", to_head, persistent=False)
         self.vocab_size = sum(end - start for start, end in self._head_ranges)
         self.speech_token_size = num_speech_tokens
         self.eos_token = num_speech_tokens
@@ -228,13 +234,8 @@ class LlasaLM(CachedSpeechLM):
         return pad_right([self.backbone.embed_tokens(ids.to(self.device)) for ids in prompt.input_ids])
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(head id -> LLaMA id [V], LLaMA id -> head id or -1 [vocabulary]) on `device`, built once per device."""
-        if device not in self._id_maps:
-            to_global = torch.cat([torch.arange(a, b, device="cpu") for a, b in self._head_ranges])
-            to_head = torch.full((self.backbone.config.vocab_size,), -1, dtype=torch.long, device="cpu")
-            to_head[to_global] = torch.arange(len(to_global), device="cpu")
-            self._id_maps[device] = (to_global.to(device), to_head.to(device))
-        return self._id_maps[device]
+        """(head id -> LLaMA id [V], LLaMA id -> head id or -1 [vocabulary]) on `device`."""
+        return self.head_to_global.to(device), self.global_to_head.to(device)
 
     def to_global_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Head ids -> LLaMA vocabulary ids (EOS -> <|SPEECH_GENERATION_END|>)."""
