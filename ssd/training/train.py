@@ -190,8 +190,9 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
                         every_n_train_steps=cfg.val_every_steps, enable_version_counter=False),
         ExportCheckpoint(draft, dirpath=ckpt_dir, filename=f"{'draft' if draft else 'target'}-best",
                          monitor=monitor[0], mode=monitor[1], save_top_k=1, enable_version_counter=False),
-        LearningRateMonitor(logging_interval="step"),
     ]  # fmt: skip
+    if loggers:  # Lightning refuses a LearningRateMonitor without a logger (logger=none)
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     trainer: L.Trainer = instantiate(
