@@ -9,8 +9,8 @@ part leaves unset (None, or no such attribute: a user's own class may not know i
 
 from __future__ import annotations
 
-from typing import Any
 from importlib import resources
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -68,7 +68,8 @@ def check_pairing(cfg: DictConfig, speech_tokenizer: Any, target: Any, vocoder: 
         )
     if problems:
         raise ValueError(
-            "; ".join(problems) + f" ({labels['speech_tokenizer']}, {labels['target']}, {labels['vocoder']}): "
+            "; ".join(problems)
+            + f" ({labels['speech_tokenizer']}, {labels['target']}, {labels['vocoder']}): "
             "the speech tokenizer, the target and the vocoder must be one vocabulary; choose the target's own "
             f"codec (drop the speech_tokenizer= / vocoder= overrides, so target={cfg.target.name} brings its "
             "own) or a target trained on these tokens"

@@ -1,0 +1,307 @@
+"""The LLaSA pipeline end to end: X-codec2 (through a stand-in of the xcodec2 package's model class),
+LibriTTS shards in LLaSA's vocabulary, draft training with the real CLI, and the vocabulary pairing check.
+
+The real xcodec2 package cannot run here (it pins torch 2.5; its model class loads facebook/w2v-bert-2.0
+by hub id and has fixed full sizes), so the tests write a module in the package's layout,
+`xcodec2/modeling_xcodec2.py` with a class `XCodec2Model` of the same API (from_pretrained, encode_code,
+decode_code) and X-codec2's framing: 16 kHz, one FSQ code of 4^8 = 65536 per 320 samples (50 Hz).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_libritts import write_utterance
+
+from ssd.audio.xcodec2 import XCodec2
+from ssd.contracts import VocoderPrompt
+from ssd.models.llasa import LlasaLM
+from tests.fixtures_models import TINY_LLAMA, WORDS
+
+REPO = Path(__file__).resolve().parents[1]
+SPEECH_TOKENS = 40  # the tiny LLaSA's <|s_N|> tokens (target.speech_token_size=40)
+
+STANDIN_MODULE = '''
+"""Stand-in of xcodec2.modeling_xcodec2 for tests: XCodec2Model's API and framing, a toy codec inside."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+HOP = 320  # 16 kHz / 50 Hz
+LEVELS = 4  # FSQ levels per dimension; 8 dimensions -> 4**8 = 65536 codes
+
+
+class XCodec2Model(torch.nn.Module):
+    def __init__(self, proj):
+        super().__init__()
+        self.register_buffer("proj", proj)  # [HOP, 8]
+
+    @classmethod
+    def from_pretrained(cls, path):
+        json.loads((Path(path) / "config.json").read_text())
+        return cls(load_file(str(Path(path) / "model.safetensors"))["proj"])
+
+    def encode_code(self, input_waveform, sample_rate=16000):
+        wav = torch.nn.functional.pad(input_waveform, (0, HOP - input_waveform.shape[1] % HOP))
+        frames = wav.reshape(wav.shape[0], -1, HOP)
+        levels = ((torch.tanh(frames @ self.proj) + 1) / 2 * LEVELS).long().clamp(0, LEVELS - 1)
+        codes = (levels * LEVELS ** torch.arange(8)).sum(-1)
+        return codes[:, None, :]  # [B, 1, T]
+
+    def decode_code(self, vq_code):
+        digits = (vq_code[:, 0, :, None] // LEVELS ** torch.arange(8)) % LEVELS
+        values = (digits.float() + 0.5) / LEVELS * 2 - 1
+        frames = values @ torch.linalg.pinv(self.proj)
+        return frames.reshape(vq_code.shape[0], 1, -1)  # [B, 1, T * HOP]
+'''
+
+
+def write_standin_xcodec2(root: Path) -> tuple[Path, Path]:
+    """(import root holding the stand-in package, a model dir in X-codec2's format for it)."""
+    from safetensors.torch import save_file
+
+    package = root / "site" / "xcodec2"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling_xcodec2.py").write_text(textwrap.dedent(STANDIN_MODULE))
+    model_dir = root / "xcodec2_model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text('{"model_type": "xcodec"}')
+    proj = torch.randn(320, 8, generator=torch.Generator().manual_seed(0)) * 0.5
+    save_file({"proj": proj}, str(model_dir / "model.safetensors"))
+    return root / "site", model_dir
+
+
+@pytest.fixture
+def xcodec2_dir(tmp_path, monkeypatch):
+    site, model_dir = write_standin_xcodec2(tmp_path)
+    monkeypatch.syspath_prepend(str(site))
+    for name in [m for m in sys.modules if m == "xcodec2" or m.startswith("xcodec2.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield model_dir
+    for name in [m for m in sys.modules if m == "xcodec2" or m.startswith("xcodec2.")]:
+        del sys.modules[name]
+
+
+def make_llasa_dir(path: Path, num_layers: int = 5) -> Path:
+    """A random-weight LLaSA dir with 40 speech tokens and enough layers that pcg_3layer is a real subset."""
+    from ssd.models.checkpoints import write_llasa_dir
+    from ssd.models.text_tokenizer import write_word_tokenizer
+
+    words = WORDS + ["user", "assistant", "convert", "the", "text", "to", "speech", ":"]
+    tokenizer_dir = write_word_tokenizer(words, path.parent / f"{path.name}_words")
+    return write_llasa_dir(
+        path, {**TINY_LLAMA, "num_hidden_layers": num_layers}, SPEECH_TOKENS, tokenizer_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def llasa_dir(tmp_path_factory) -> Path:
+    return make_llasa_dir(tmp_path_factory.mktemp("llasa") / "llasa")
+
+
+# --- X-codec2 ------------------------------------------------------------------------------------------
+
+
+def test_xcodec2_tokenizes_at_50_hz_into_65536_codes_and_vocodes_at_16_khz(xcodec2_dir):
+    codec = XCodec2.load(xcodec2_dir)
+    assert (codec.sample_rate, codec.token_rate, codec.codebook_size) == (16000, 50, 65536)
+    rng = np.random.default_rng(0)
+    wav_24k = (0.3 * rng.standard_normal(24000)).astype(np.float32)  # 1 s at 24 kHz: resampled to 16 kHz
+    codes = codec.encode(wav_24k, 24000)
+    # X-codec2 pads every input by 320 - N % 320 samples, so 16000 samples give 50 + 1 codes.
+    assert codes.dtype == np.int64 and codes.shape == (51,)
+    assert codes.min() >= 0 and codes.max() < 65536 and len(np.unique(codes)) > 10
+    assert np.array_equal(codec.encode(wav_24k, 24000), codes)
+
+    prompt_codes = codes[:10]
+    prompt = VocoderPrompt(wav=wav_24k, sample_rate=24000, text="", tokens=prompt_codes)
+    audio = codec.vocode(codes[10:], prompt)
+    assert audio.dtype == np.float32 and audio.shape == (41 * 320,)  # the prompt's share is cut off
+    whole = codec.model.decode_code(torch.from_numpy(codes)[None, None]).reshape(-1).numpy()
+    np.testing.assert_allclose(audio, whole[10 * 320 :], atol=1e-6)
+    alone = codec.vocode(codes, VocoderPrompt(wav=wav_24k, sample_rate=24000, text="", tokens=np.zeros(0)))
+    np.testing.assert_allclose(alone, whole, atol=1e-6)
+
+
+def test_xcodec2_errors_name_the_fix(xcodec2_dir, tmp_path, monkeypatch):
+    codec = XCodec2.load(xcodec2_dir)
+    prompt = VocoderPrompt(wav=np.zeros(160, np.float32), sample_rate=16000, text="", tokens=np.zeros(0))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 65536\)"):
+        codec.vocode(np.array([1, 65536]), prompt)
+    with pytest.raises(ValueError, match="XCODEC2_DIR"):
+        XCodec2(None)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors does not exist.*HKUST-Audio/xcodec2"):
+        XCodec2(tmp_path / "half")
+    for name in ("xcodec2", "xcodec2.modeling_xcodec2"):  # the package is not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"pip install 'ssd\[xcodec2\]'.*--no-deps xcodec2==0.1.5"):
+        XCodec2(xcodec2_dir)
+
+
+def test_target_llasa_brings_x_codec2():
+    from ssd.config import compose
+
+    cfg = compose("sweep", ["target=llasa"])
+    assert cfg.speech_tokenizer._target_ == "ssd.audio.xcodec2.XCodec2.load"
+    assert cfg.vocoder._target_ == "ssd.audio.xcodec2.XCodec2"
+
+
+# --- pairing ---------------------------------------------------------------------------------------------
+
+
+def _llasa_with_all_codes() -> LlasaLM:
+    """A LlasaLM with X-codec2's 65536 speech tokens (built directly: a tokenizer with 65k added tokens
+    is slow to write)."""
+    from ssd.models.transformer import BackboneConfig
+
+    config = BackboneConfig(model_type="llama", vocab_size=65536 + 16, hidden_size=8, intermediate_size=16,
+                            num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=False)  # fmt: skip
+    return LlasaLM(config, speech_offset=16, num_speech_tokens=65536, speech_end_id=10)
+
+
+def test_a_cosyvoice_tokenizer_with_llasa_fails_at_load_naming_the_three_configs(xcodec2_dir, tmp_path):
+    from test_cosyvoice_tokenizer import _write_model
+
+    from ssd.audio.cosyvoice_tokenizer import CosyVoiceSpeechTokenizer
+    from ssd.config import compose
+    from ssd.evaluation.pairing import check_pairing
+
+    cfg = compose("sweep", ["target=llasa", "speech_tokenizer=cosyvoice2"])
+    cosyvoice = CosyVoiceSpeechTokenizer(_write_model(tmp_path / "speech_tokenizer_v2.onnx"))
+    target, xcodec2 = _llasa_with_all_codes(), XCodec2.load(xcodec2_dir)
+    with pytest.raises(ValueError) as err:
+        check_pairing(cfg, cosyvoice, target, xcodec2)
+    message = str(err.value)
+    assert (
+        "speech_tokenizer=cosyvoice2 (6561 codes at 25 Hz) does not match target=llasa (65536 codes)"
+        in message
+    )
+    assert "and vocoder=llasa (65536 codes at 50 Hz) run at different token rates" in message
+    assert "one vocabulary" in message
+
+    check_pairing(compose("sweep", ["target=llasa"]), xcodec2, target, xcodec2)  # the matching trio passes
+    with pytest.raises(
+        ValueError, match=r"vocoder=llasa \(65536 codes at 50 Hz\) does not match target=llasa"
+    ):
+        check_pairing(compose("sweep", ["target=llasa"]), xcodec2, LlasaLM.from_dir(make_llasa_dir(
+            tmp_path / "llasa40", num_layers=1), num_speech_tokens=SPEECH_TOKENS), xcodec2)  # fmt: skip
+
+
+def test_the_runner_checks_the_pairing_when_it_loads_models():
+    """load_models calls the one check (its other checks are covered by tests/test_bad_inputs.py)."""
+    import inspect
+
+    from ssd.evaluation import runner
+
+    assert "check_pairing(cfg, speech_tokenizer, target, vocoder)" in inspect.getsource(runner.load_models)
+
+
+# --- LibriTTS shards in LLaSA's vocabulary ----------------------------------------------------------------
+
+
+def test_prepare_libritts_writes_llasa_shards(xcodec2_dir, llasa_dir, tmp_path):
+    """The script with --speech-tokenizer llasa: the shard's text ids are exactly what LLaSA's training rows
+    put between the chat template's pieces, and its speech tokens are X-codec2's codes of the audio."""
+    from ssd.audio.features import load_audio
+
+    corpus = tmp_path / "corpus"
+    texts = ["bin blue at zero", "set red by two now", "place green in seven please"]
+    for n, text in enumerate(texts):
+        write_utterance(corpus, "train-clean-100", f"{n + 1}_5_{n:06d}_000000", text, 1.0 + 0.4 * n, seed=n)
+    out = tmp_path / "shards"
+    site = xcodec2_dir.parent / "site"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_libritts.py"), "tokens", str(corpus), str(out),
+         "--text-tokenizer", str(llasa_dir), "--speech-tokenizer", "llasa",
+         "--speech-tokenizer-path", str(xcodec2_dir), "--num-workers", "0", "--no-progress"],
+        capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}:{REPO}"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = pq.read_table(out / "shard-00000.parquet").to_pylist()
+    assert sorted(r["text"] for r in rows) == sorted(texts)
+
+    model = LlasaLM.from_dir(llasa_dir, num_speech_tokens=SPEECH_TOKENS)
+    codec = XCodec2.load(xcodec2_dir)
+    for row in rows:
+        # What training feeds (prefix_embeds: template ++ shard text ids ++ template) is the prompt format.
+        empty = model._chat_ids("")
+        split = empty.index(model.tokenizer.convert_tokens_to_ids("<|TEXT_UNDERSTANDING_START|>")) + 1
+        before, after = empty[:split], empty[split:]
+        assert model._chat_ids(row["text"]) == before + row["text_tokens"] + after
+        embedded = model.prefix_embeds(torch.tensor(row["text_tokens"]))
+        reference = model.backbone.embed_tokens(torch.tensor(model._chat_ids(row["text"])))
+        torch.testing.assert_close(embedded, reference)
+        wav = next(corpus.rglob(f"{row['utt']}.wav"))
+        assert row["speech_tokens"] == codec.encode(*load_audio(wav, target_sr=None)).tolist()
+        assert len(row["speech_tokens"]) == round(row["duration"] * 16000) // 320 + 1  # 50 Hz
+
+
+# --- draft training with the real CLI ---------------------------------------------------------------------
+
+
+def _write_llasa_shards(out_dir: Path, tokenizer, n_utts: int = 40) -> Path:
+    """Shards as prepare_corpus writes them for the tiny LLaSA: word texts in its tokenizer, each word w
+    spoken as the codes 2w, 2w+1 (< 40)."""
+    import pyarrow as pa
+
+    from ssd.data.prepare import SHARD_SCHEMA
+
+    rng = np.random.default_rng(0)
+    vocab = WORDS[:20]
+    rows = []
+    for n in range(n_utts):
+        speaker = str(n % 8)
+        words = rng.integers(0, len(vocab), rng.integers(2, 6))
+        text = " ".join(vocab[w] for w in words)
+        speech = [c for w in words for c in (2 * int(w), 2 * int(w) + 1)]
+        rows.append({"utt": f"{speaker}_1_{n:06d}", "speaker": speaker,
+                     "subset": "dev-clean" if speaker in ("6", "7") else "train-clean-100", "text": text,
+                     "text_tokens": tokenizer(text, add_special_tokens=False).input_ids, "speech_tokens": speech,
+                     "duration": len(speech) / 50})  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), out_dir / "shard-00000.parquet")
+    return out_dir
+
+
+def test_train_draft_cli_trains_a_pcg_draft_of_llasa(llasa_dir, tmp_path):
+    from ssd.models.draft import load_draft
+
+    target = LlasaLM.from_dir(llasa_dir, num_speech_tokens=SPEECH_TOKENS)
+    _write_llasa_shards(
+        tmp_path / "data" / "libritts_llasa", target.tokenizer
+    )  # data=libritts's dir for llasa
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "train_draft.py", "target=llasa", "draft=pcg_3layer", "data=libritts", "trainer=cpu",
+         f"target.model.model_dir={llasa_dir}", f"target.speech_token_size={SPEECH_TOKENS}",
+         f"paths.data_dir={tmp_path / 'data'}", "data.train_subsets=[train-clean-100]", "data.max_tokens=300",
+         "data.num_workers=0", "max_steps=4", "val_every_steps=2", "logger=csv", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "draft dev alpha (sum min(p,q), softmax):" in done.stdout + done.stderr
+
+    draft = load_draft(run_dir / "draft.pt", target)
+    assert len(draft.model.backbone.layers) == 3  # layers [0, 1, -1] of the 5
+    trained = {k for k, p in draft.named_parameters() if p.requires_grad}
+    assert trained and all(k.split(".")[1] in ("lm_head", "backbone") for k in trained)
+    # Training moved the trainable head away from the target's (tied) one; frozen layer -1 is the target's.
+    assert not torch.equal(draft.model.lm_head.weight, target.lm_head.weight)
+    torch.testing.assert_close(
+        draft.model.backbone.layers[2].state_dict(), target.backbone.layers[4].state_dict()
+    )
