@@ -200,13 +200,26 @@ def test_a_cosyvoice_tokenizer_with_llasa_fails_at_load_naming_the_three_configs
             tmp_path / "llasa40", num_layers=1), num_speech_tokens=SPEECH_TOKENS), xcodec2)  # fmt: skip
 
 
-def test_the_runner_checks_the_pairing_when_it_loads_models():
-    """load_models calls the one check (its other checks are covered by tests/test_bad_inputs.py)."""
-    import inspect
+def test_the_runner_refuses_a_cosyvoice_tokenizer_for_llasa_at_load(xcodec2_dir, llasa_dir, tmp_path):
+    """What a user meets: `python sweep.py target=llasa speech_tokenizer=cosyvoice2` stops in load_models,
+    before any decoding, with the three configs named."""
+    from test_cosyvoice_tokenizer import _write_model
 
+    from ssd.config import compose
     from ssd.evaluation import runner
 
-    assert "check_pairing(cfg, speech_tokenizer, target, vocoder)" in inspect.getsource(runner.load_models)
+    onnx = _write_model(tmp_path / "speech_tokenizer_v2.onnx")
+    common = ["target=llasa", f"target.model.model_dir={llasa_dir}", f"target.speech_token_size={SPEECH_TOKENS}",
+              "decoding=ar", "eval=libritts_test_clean", "asr=pocketsphinx", "sim=resemblyzer", "logger=none",
+              f"vocoder.path={xcodec2_dir}"]  # fmt: skip
+    runner._LOADED.clear()
+    try:
+        cfg = compose("sweep", [*common, "speech_tokenizer=cosyvoice2", f"speech_tokenizer.path={onnx}"])
+        with pytest.raises(ValueError, match=r"speech_tokenizer=cosyvoice2 \(6561 codes at 25 Hz\) does not match "
+                           r"target=llasa \(40 codes\).*vocoder=llasa"):  # fmt: skip
+            runner.load_models(cfg)
+    finally:
+        runner._LOADED.clear()
 
 
 # --- LibriTTS shards in LLaSA's vocabulary ----------------------------------------------------------------

@@ -5,10 +5,10 @@ config.json and model.safetensors, e.g. a download of HKUST-Audio/xcodec2), `enc
 codes [1, 1, T] and `decode_code(codes [1, 1, T])` -> audio [1, 1, N]. 16 kHz audio, one single-codebook
 FSQ code (4^8 = 65536 codes, the LLaSA LM's <|s_0|>..<|s_65535|>) per 320 samples: 50 tokens/s.
 
-The package pins torch 2.5 / torchaudio 2.5, so it is an optional extra installed beside the project's
-torch (docs/target-llasa.md, "X-codec2"). Its model class also loads the semantic encoder
-`facebook/w2v-bert-2.0` by that hub id when it is built: it must be in the local Hugging Face cache
-(the runs here are offline).
+The package pins torch 2.5 / torchaudio 2.5 and imports torchaudio, so it is an optional extra, installed
+without its pins next to a torch that has a torchaudio build (docs/target-llasa.md, "X-codec2"). Its model
+class also loads the semantic encoder `facebook/w2v-bert-2.0` by that hub id when it is built: it must be
+in the local Hugging Face cache (the runs here are offline).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ SAMPLE_RATE = 16_000
 TOKEN_RATE = 50
 CODEBOOK_SIZE = 65_536  # FSQ levels [4] * 8
 INSTALL = (
-    "pip install 'ssd[xcodec2]' && pip install --no-deps xcodec2==0.1.5, plus the torchaudio built for your "
-    "torch (xcodec2's own requirements pin torch 2.5)"
+    "pip install 'ssd[xcodec2]' && pip install --no-deps xcodec2==0.1.5, plus the torchaudio of your torch "
+    "(torch <= 2.11 has one; xcodec2's own requirements pin torch 2.5): docs/target-llasa.md, X-codec2"
 )
 
 
