@@ -157,6 +157,9 @@ def test_target_llasa_brings_x_codec2():
     cfg = compose("sweep", ["target=llasa"])
     assert cfg.speech_tokenizer._target_ == "ssd.audio.xcodec2.XCodec2.load"
     assert cfg.vocoder._target_ == "ssd.audio.xcodec2.XCodec2"
+    for target in ("llasa", "cosyvoice2"):  # data=libritts reads the shards of the target's vocabulary
+        data = compose("train_draft", [f"target={target}", "data=libritts", "paths.data_dir=/d"]).data
+        assert data.shard_dirs == f"/d/libritts_{target}"
 
 
 # --- pairing ---------------------------------------------------------------------------------------------
@@ -303,7 +306,7 @@ def test_train_draft_cli_trains_a_pcg_draft_of_llasa(llasa_dir, tmp_path):
         [sys.executable, "train_draft.py", "target=llasa", "draft=pcg_3layer", "data=libritts", "trainer=cpu",
          f"target.model.model_dir={llasa_dir}", f"target.speech_token_size={SPEECH_TOKENS}",
          f"paths.data_dir={tmp_path / 'data'}", "data.train_subsets=[train-clean-100]", "data.max_tokens=300",
-         "data.num_workers=0", "max_steps=4", "val_every_steps=2", "logger=csv", f"hydra.run.dir={run_dir}"],
+         "data.num_workers=0", "max_steps=4", "val_every_steps=2", "logger=none", f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
