@@ -84,11 +84,15 @@ def write_standin_xcodec2(root: Path) -> tuple[Path, Path]:
 
 @pytest.fixture
 def xcodec2_dir(tmp_path, monkeypatch):
+    from ssd.audio import xcodec2
+
+    xcodec2._load_model.cache_clear()
     site, model_dir = write_standin_xcodec2(tmp_path)
     monkeypatch.syspath_prepend(str(site))
     for name in [m for m in sys.modules if m == "xcodec2" or m.startswith("xcodec2.")]:
         monkeypatch.delitem(sys.modules, name)
     yield model_dir
+    xcodec2._load_model.cache_clear()
     for name in [m for m in sys.modules if m == "xcodec2" or m.startswith("xcodec2.")]:
         del sys.modules[name]
 
@@ -116,6 +120,7 @@ def llasa_dir(tmp_path_factory) -> Path:
 def test_xcodec2_tokenizes_at_50_hz_into_65536_codes_and_vocodes_at_16_khz(xcodec2_dir):
     codec = XCodec2.load(xcodec2_dir)
     assert (codec.sample_rate, codec.token_rate, codec.codebook_size) == (16000, 50, 65536)
+    assert XCodec2(xcodec2_dir).model is codec.model  # the tokenizer and the vocoder share one model
     rng = np.random.default_rng(0)
     wav_24k = (0.3 * rng.standard_normal(24000)).astype(np.float32)  # 1 s at 24 kHz: resampled to 16 kHz
     codes = codec.encode(wav_24k, 24000)
@@ -145,6 +150,9 @@ def test_xcodec2_errors_name_the_fix(xcodec2_dir, tmp_path, monkeypatch):
     (tmp_path / "half" / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="model.safetensors does not exist.*HKUST-Audio/xcodec2"):
         XCodec2(tmp_path / "half")
+    from ssd.audio import xcodec2
+
+    xcodec2._load_model.cache_clear()
     for name in ("xcodec2", "xcodec2.modeling_xcodec2"):  # the package is not installed
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"pip install 'ssd\[xcodec2\]'.*--no-deps xcodec2==0.1.5"):

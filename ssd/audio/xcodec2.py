@@ -13,6 +13,7 @@ in the local Hugging Face cache (the runs here are offline).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,15 @@ INSTALL = (
 )
 
 
-def _import_model_class() -> Any:
+@functools.lru_cache(maxsize=2)
+def _load_model(path: str, device: str) -> Any:
+    """One model per (dir, device): the tokenizer and the vocoder of a run share it (w2v-BERT alone is 600 M
+    parameters)."""
     try:
         from xcodec2.modeling_xcodec2 import XCodec2Model
     except ImportError as err:
         raise ImportError(f"X-codec2 needs the xcodec2 package ({err}): {INSTALL}") from err
-    return XCodec2Model
+    return XCodec2Model.from_pretrained(path).eval().to(device)
 
 
 class XCodec2:
@@ -63,7 +67,7 @@ class XCodec2:
 
         self._torch = torch
         self.path, self.device = path, torch.device(device)
-        self.model = _import_model_class().from_pretrained(str(path)).eval().to(self.device)
+        self.model = _load_model(str(path.resolve()), str(self.device))
 
     @classmethod
     def load(cls, path: str | Path) -> XCodec2:
