@@ -82,12 +82,18 @@ def write_standin_xcodec2(root: Path) -> tuple[Path, Path]:
     return root / "site", model_dir
 
 
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> tuple[Path, Path]:
+    return write_standin_xcodec2(tmp_path_factory.mktemp("xcodec2"))
+
+
 @pytest.fixture
-def xcodec2_dir(tmp_path, monkeypatch):
+def xcodec2_dir(standin, monkeypatch):
+    """The stand-in's model dir, with the stand-in package importable as `xcodec2`."""
     from ssd.audio import xcodec2
 
+    site, model_dir = standin
     xcodec2._load_model.cache_clear()
-    site, model_dir = write_standin_xcodec2(tmp_path)
     monkeypatch.syspath_prepend(str(site))
     for name in [m for m in sys.modules if m == "xcodec2" or m.startswith("xcodec2.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -97,21 +103,55 @@ def xcodec2_dir(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def make_llasa_dir(path: Path, num_layers: int = 5) -> Path:
-    """A random-weight LLaSA dir with 40 speech tokens and enough layers that pcg_3layer is a real subset."""
+LLASA_WORDS = WORDS + ["user", "assistant", "convert", "the", "text", "to", "speech", ":"]
+
+
+def make_llasa_dir(
+    path: Path, num_layers: int = 5, num_speech_tokens: int = SPEECH_TOKENS, hidden_size: int = 32
+) -> Path:
+    """A random-weight LLaSA dir in the real format with `num_layers` layers (5: pcg_3layer is a real subset)."""
     from ssd.models.checkpoints import write_llasa_dir
     from ssd.models.text_tokenizer import write_word_tokenizer
 
-    words = WORDS + ["user", "assistant", "convert", "the", "text", "to", "speech", ":"]
-    tokenizer_dir = write_word_tokenizer(words, path.parent / f"{path.name}_words")
-    return write_llasa_dir(
-        path, {**TINY_LLAMA, "num_hidden_layers": num_layers}, SPEECH_TOKENS, tokenizer_dir
-    )
+    tokenizer_dir = write_word_tokenizer(LLASA_WORDS, path.parent / f"{path.name}_words")
+    config = {**TINY_LLAMA, "num_hidden_layers": num_layers, "hidden_size": hidden_size,
+              "intermediate_size": 2 * hidden_size}  # fmt: skip
+    return write_llasa_dir(path, config, num_speech_tokens, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def llasa_dir(tmp_path_factory) -> Path:
     return make_llasa_dir(tmp_path_factory.mktemp("llasa") / "llasa")
+
+
+def run_prepare_script(corpus: Path, out: Path, llasa: Path, standin: tuple[Path, Path]):
+    site, model_dir = standin
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_libritts.py"), "tokens", str(corpus), str(out),
+         "--text-tokenizer", str(llasa), "--speech-tokenizer", "llasa", "--speech-tokenizer-path", str(model_dir),
+         "--num-workers", "0", "--no-progress"],
+        capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}:{REPO}"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llasa_world(tmp_path_factory, standin) -> dict[str, Path]:
+    """A LLaSA dir with all 65536 X-codec2 codes (its real vocabulary layout, tiny layers), a LibriTTS-layout
+    corpus (train-clean-100: 4 speakers, dev-clean: 2) and its shards written by the prepare script."""
+    root = tmp_path_factory.mktemp("llasa_world")
+    llasa = make_llasa_dir(root / "llasa", num_speech_tokens=65536, hidden_size=16)
+    corpus = root / "corpus"
+    rng = np.random.default_rng(0)
+    for n in range(16):
+        speaker = n % 6 + 1
+        subset = "dev-clean" if speaker > 4 else "train-clean-100"
+        text = " ".join(rng.choice(WORDS[:20], rng.integers(2, 6)))
+        write_utterance(corpus, subset, f"{speaker}_5_{n:06d}_000000", text, 1.0 + 0.1 * (n % 5), seed=n)
+    shards = root / "data" / "libritts_llasa"  # where data=libritts looks for target=llasa's shards
+    done = run_prepare_script(corpus, shards, llasa, standin)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"llasa": llasa, "corpus": corpus, "data_dir": root / "data", "shards": shards}
 
 
 # --- X-codec2 ------------------------------------------------------------------------------------------
@@ -236,36 +276,23 @@ def test_the_runner_refuses_a_cosyvoice_tokenizer_for_llasa_at_load(xcodec2_dir,
 # --- LibriTTS shards in LLaSA's vocabulary ----------------------------------------------------------------
 
 
-def test_prepare_libritts_writes_llasa_shards(xcodec2_dir, llasa_dir, tmp_path):
+def test_prepare_libritts_writes_llasa_shards(llasa_world, xcodec2_dir):
     """The script with --speech-tokenizer llasa: the shard's text ids are exactly what LLaSA's training rows
     put between the chat template's pieces, and its speech tokens are X-codec2's codes of the audio."""
     from ssd.audio.features import load_audio
+    from ssd.training.data import TokenShardDataset
 
-    corpus = tmp_path / "corpus"
-    texts = ["bin blue at zero", "set red by two now", "place green in seven please"]
-    for n, text in enumerate(texts):
-        write_utterance(corpus, "train-clean-100", f"{n + 1}_5_{n:06d}_000000", text, 1.0 + 0.4 * n, seed=n)
-    out = tmp_path / "shards"
-    site = xcodec2_dir.parent / "site"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_libritts.py"), "tokens", str(corpus), str(out),
-         "--text-tokenizer", str(llasa_dir), "--speech-tokenizer", "llasa",
-         "--speech-tokenizer-path", str(xcodec2_dir), "--num-workers", "0", "--no-progress"],
-        capture_output=True, text=True, cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}:{REPO}"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = pq.read_table(out / "shard-00000.parquet").to_pylist()
-    assert sorted(r["text"] for r in rows) == sorted(texts)
-
-    model = LlasaLM.from_dir(llasa_dir, num_speech_tokens=SPEECH_TOKENS)
+    shards, corpus = llasa_world["shards"], llasa_world["corpus"]
+    rows = [r for f in sorted(shards.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == 16 and len(TokenShardDataset.from_shards(shards)) == 16
+    model = LlasaLM.from_dir(llasa_world["llasa"])
+    assert model.speech_token_size == 65536
     codec = XCodec2.load(xcodec2_dir)
+    empty = model._chat_ids("")
+    split = empty.index(model.tokenizer.convert_tokens_to_ids("<|TEXT_UNDERSTANDING_START|>")) + 1
     for row in rows:
         # What training feeds (prefix_embeds: template ++ shard text ids ++ template) is the prompt format.
-        empty = model._chat_ids("")
-        split = empty.index(model.tokenizer.convert_tokens_to_ids("<|TEXT_UNDERSTANDING_START|>")) + 1
-        before, after = empty[:split], empty[split:]
-        assert model._chat_ids(row["text"]) == before + row["text_tokens"] + after
+        assert model._chat_ids(row["text"]) == empty[:split] + row["text_tokens"] + empty[split:]
         embedded = model.prefix_embeds(torch.tensor(row["text_tokens"]))
         reference = model.backbone.embed_tokens(torch.tensor(model._chat_ids(row["text"])))
         torch.testing.assert_close(embedded, reference)
@@ -274,52 +301,37 @@ def test_prepare_libritts_writes_llasa_shards(xcodec2_dir, llasa_dir, tmp_path):
         assert len(row["speech_tokens"]) == round(row["duration"] * 16000) // 320 + 1  # 50 Hz
 
 
+def test_shards_of_another_text_tokenizer_are_refused(llasa_world, tmp_path):
+    """Training feeds shard text ids into the target's embedding: ids of another tokenizer must not pass."""
+    from ssd.models.text_tokenizer import load_text_tokenizer, write_word_tokenizer
+    from ssd.training.data import check_text_tokenizer
+
+    check_text_tokenizer(llasa_world["shards"], LlasaLM.from_dir(llasa_world["llasa"]).tokenizer)
+    other = load_text_tokenizer(write_word_tokenizer(LLASA_WORDS[::-1], tmp_path / "reversed"))
+    with pytest.raises(ValueError, match=r"prepared with another text tokenizer.*--text-tokenizer"):
+        check_text_tokenizer(llasa_world["shards"], other)
+
+
 # --- draft training with the real CLI ---------------------------------------------------------------------
 
 
-def _write_llasa_shards(out_dir: Path, tokenizer, n_utts: int = 40) -> Path:
-    """Shards as prepare_corpus writes them for the tiny LLaSA: word texts in its tokenizer, each word w
-    spoken as the codes 2w, 2w+1 (< 40)."""
-    import pyarrow as pa
-
-    from ssd.data.prepare import SHARD_SCHEMA
-
-    rng = np.random.default_rng(0)
-    vocab = WORDS[:20]
-    rows = []
-    for n in range(n_utts):
-        speaker = str(n % 8)
-        words = rng.integers(0, len(vocab), rng.integers(2, 6))
-        text = " ".join(vocab[w] for w in words)
-        speech = [c for w in words for c in (2 * int(w), 2 * int(w) + 1)]
-        rows.append({"utt": f"{speaker}_1_{n:06d}", "speaker": speaker,
-                     "subset": "dev-clean" if speaker in ("6", "7") else "train-clean-100", "text": text,
-                     "text_tokens": tokenizer(text, add_special_tokens=False).input_ids, "speech_tokens": speech,
-                     "duration": len(speech) / 50})  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), out_dir / "shard-00000.parquet")
-    return out_dir
-
-
-def test_train_draft_cli_trains_a_pcg_draft_of_llasa(llasa_dir, tmp_path):
+def test_train_draft_cli_trains_a_pcg_draft_of_llasa(llasa_world, tmp_path):
+    """`python train_draft.py target=llasa draft=pcg_3layer data=libritts trainer=cpu` on the prepared shards."""
     from ssd.models.draft import load_draft
 
-    target = LlasaLM.from_dir(llasa_dir, num_speech_tokens=SPEECH_TOKENS)
-    _write_llasa_shards(
-        tmp_path / "data" / "libritts_llasa", target.tokenizer
-    )  # data=libritts's dir for llasa
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "train_draft.py", "target=llasa", "draft=pcg_3layer", "data=libritts", "trainer=cpu",
-         f"target.model.model_dir={llasa_dir}", f"target.speech_token_size={SPEECH_TOKENS}",
-         f"paths.data_dir={tmp_path / 'data'}", "data.train_subsets=[train-clean-100]", "data.max_tokens=300",
-         "data.num_workers=0", "max_steps=4", "val_every_steps=2", "logger=none", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+         f"target.model.model_dir={llasa_world['llasa']}", f"paths.data_dir={llasa_world['data_dir']}",
+         "data.train_subsets=[train-clean-100]", "data.max_tokens=400", "data.num_workers=0", "max_steps=4",
+         "val_every_steps=2", "logger=none", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "draft dev alpha (sum min(p,q), softmax):" in done.stdout + done.stderr
 
+    target = LlasaLM.from_dir(llasa_world["llasa"])
     draft = load_draft(run_dir / "draft.pt", target)
     assert len(draft.model.backbone.layers) == 3  # layers [0, 1, -1] of the 5
     trained = {k for k, p in draft.named_parameters() if p.requires_grad}

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
 from ssd.models.draft import Draft, describe, save_draft
 from ssd.tracking import wandb_mode
+from ssd.training.data import check_text_tokenizer
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, validate_train_config
 
@@ -180,6 +181,9 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         agreement_sampling=sampling,
     )
     datamodule = instantiate(cfg.data)
+    target = teacher if teacher is not None else model
+    if getattr(target, "tokenizer", None) is not None and getattr(datamodule, "shard_dirs", None) is not None:
+        check_text_tokenizer(datamodule.shard_dirs, target.tokenizer)
     loggers = build_loggers(cfg.logger)
     ckpt_dir = output_dir / CHECKPOINT_DIR
     draft = isinstance(model, Draft)
