@@ -1,8 +1,9 @@
 """The LLaSA pipeline end to end: X-codec2 (through a stand-in of the xcodec2 package's model class),
 LibriTTS shards in LLaSA's vocabulary, draft training with the real CLI, and the vocabulary pairing check.
 
-The real xcodec2 package cannot run here (it pins torch 2.5; its model class loads facebook/w2v-bert-2.0
-by hub id and has fixed full sizes), so the tests write a module in the package's layout,
+The real xcodec2 package cannot run under torch 2.13 (it imports torchaudio, which has no build for it; its
+model class loads facebook/w2v-bert-2.0 by hub id and has fixed full sizes: docs/target-llasa.md, "X-codec2"),
+so the tests write a module in the package's layout,
 `xcodec2/modeling_xcodec2.py` with a class `XCodec2Model` of the same API (from_pretrained, encode_code,
 decode_code) and X-codec2's framing: 16 kHz, one FSQ code of 4^8 = 65536 per 320 samples (50 Hz).
 """

@@ -8,7 +8,7 @@ FSQ code (4^8 = 65536 codes, the LLaSA LM's <|s_0|>..<|s_65535|>) per 320 sample
 The package pins torch 2.5 / torchaudio 2.5 and imports torchaudio, so it is an optional extra, installed
 without its pins next to a torch that has a torchaudio build (docs/target-llasa.md, "X-codec2"). Its model
 class also loads the semantic encoder `facebook/w2v-bert-2.0` by that hub id when it is built: it must be
-in the local Hugging Face cache (the runs here are offline).
+in the local Hugging Face cache (this project runs with HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
