@@ -9,6 +9,10 @@ Examples:
       --subsets train-clean-100 train-clean-360 train-other-500 dev-clean \\
       --text-tokenizer /models/CosyVoice2-0.5B/CosyVoice-BlankEN \\
       --speech-tokenizer cosyvoice2 --speech-tokenizer-path /models/CosyVoice2-0.5B --num-workers 8
+  python scripts/prepare_libritts.py tokens /data/LibriTTS data/libritts_llasa \\
+      --subsets train-clean-100 train-clean-360 train-other-500 dev-clean \\
+      --text-tokenizer /models/Llasa-1B --speech-tokenizer llasa --speech-tokenizer-path /models/xcodec2 \\
+      --max-sec 36 --num-workers 4          # LLaSA: docs/target-llasa.md, "Preparing LibriTTS shards"
   python scripts/prepare_libritts.py zero-shot /data/LibriTTS data/test_clean_pairs.jsonl
 """
 
@@ -41,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         "out_dir", help="output directory for shards, manifest.jsonl, plan.json, summary.json"
     )
     tokens.add_argument("--subsets", nargs="+", default=None, help="subset folders to use (default: all)")
-    tokens.add_argument("--text-tokenizer", required=True, help="local HF tokenizer dir of the target")
+    tokens.add_argument(
+        "--text-tokenizer", required=True, help="local HF tokenizer dir of the target (LLaSA: its model dir)"
+    )
     tokens.add_argument(
         "--speech-tokenizer",
         required=True,
@@ -51,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     tokens.add_argument(
         "--speech-tokenizer-path",
         required=True,
-        help="cosyvoice2: speech_tokenizer_v2.onnx or the CosyVoice2-0.5B dir; toy: the toy codec dir",
+        help="cosyvoice2: speech_tokenizer_v2.onnx or the CosyVoice2-0.5B dir; toy: the toy codec dir; "
+        "llasa: the X-codec2 dir (config.json + model.safetensors)",
     )
     tokens.add_argument("--shard-size", type=int, default=1000, help="utterances per shard (default 1000)")
     tokens.add_argument(

@@ -156,6 +156,7 @@ def load_models(cfg: DictConfig) -> EvalModels:
     """The rule first (cheap, and its parameters are the likeliest to be wrong), then the judges, then the
     LM side and the codec; every check before decoding. Each part is its config group's `_target_`."""
     from ssd.data.prepare import load_speech_tokenizer
+    from ssd.evaluation.pairing import check_pairing
 
     mode = cfg.decoding.mode
     rule = _instantiate(cfg.acceptance, "acceptance") if mode == "speculative" else None
@@ -181,12 +182,7 @@ def load_models(cfg: DictConfig) -> EvalModels:
         "tok", cfg.speech_tokenizer, lambda: load_speech_tokenizer(cfg.speech_tokenizer)
     )
     vocoder = _cached("vocoder", cfg.vocoder, lambda: _instantiate(cfg.vocoder, "vocoder"))
-    codebook = getattr(speech_tokenizer, "codebook_size", None)
-    if codebook is not None and codebook != target.speech_token_size:
-        raise ValueError(
-            f"speech tokenizer at speech_tokenizer.path={cfg.speech_tokenizer.path} has {codebook} tokens but the "
-            f"target ({cfg.target.name}) has speech_token_size={target.speech_token_size}: they must be one vocabulary"
-        )
+    check_pairing(cfg, speech_tokenizer, target, vocoder)
     draft = None
     if mode in ("speculative", "draft_only"):
         draft = _cached("draft", {"target": cfg.target.model, "draft": cfg.draft},

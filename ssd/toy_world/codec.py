@@ -610,6 +610,8 @@ class ToyVocoder:
             )
         self.codec = ToyCodec.load(codec_dir)
         self.sample_rate = self.codec.sample_rate
+        # The codec's vocabulary, which the runner's pairing check compares with the tokenizer and target.
+        self.codebook_size, self.token_rate = self.codec.codebook_size, self.codec.token_rate
 
     def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray:
         wav = resample(prompt.wav, prompt.sample_rate, self.sample_rate)

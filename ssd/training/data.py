@@ -12,6 +12,7 @@ use `Trainer(use_distributed_sampler=False)`; the data module reads rank and wor
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -35,6 +36,37 @@ def _list_column(table: pa.Table, name: str) -> list[np.ndarray]:
     return rows
 
 
+def _shard_dir_list(shard_dirs: str | Path | Sequence[str | Path]) -> list[Path]:
+    return [Path(shard_dirs)] if isinstance(shard_dirs, str | Path) else [Path(d) for d in shard_dirs]
+
+
+def check_text_tokenizer(shard_dirs: str | Path | Sequence[str | Path], tokenizer, n_rows: int = 16) -> None:
+    """Refuse shards whose text ids are not the model's: training feeds them straight into its embedding, so
+    shards of another text tokenizer (the toy shards under target=llasa) would train without any error.
+
+    Checked on the first `n_rows` rows of the first shard of each dir that `ssd.data.prepare` wrote (a
+    plan.json beside the shards; it records the tokenizer): each text, tokenized as prepare does, must give
+    the row's text_tokens."""
+    for d in _shard_dir_list(shard_dirs):
+        plan, found = d / "plan.json", sorted(d.glob(SHARD_GLOB))
+        if not plan.is_file() or not found:
+            continue
+        try:
+            table = pq.read_table(found[0], columns=["utt", "text", "text_tokens"]).slice(0, n_rows)
+        except (pa.ArrowException, OSError, KeyError):
+            continue  # an unreadable shard: TokenShardDataset.from_shards names it and the fix
+        for utt, text, ids in zip(*(table.column(c).to_pylist() for c in ("utt", "text", "text_tokens"))):
+            if list(tokenizer(text, add_special_tokens=False).input_ids) != list(ids):
+                prepared_with = json.loads(plan.read_text()).get("settings", {}).get("text_tokenizer", "?")
+                raise ValueError(
+                    f"{found[0]}: the text tokens of {utt} ({text!r}) are not what the target's text tokenizer "
+                    f"gives: these shards were prepared with another text tokenizer ({prepared_with}). Prepare "
+                    "shards for this target (scripts/prepare_libritts.py tokens --text-tokenizer <the target's "
+                    "tokenizer dir>) and point data.shard_dirs at them (data=libritts reads "
+                    "${paths.data_dir}/libritts_<target>)"
+                )
+
+
 class TokenShardDataset(Dataset):
     """Utterances held in memory: utt, speaker, subset, text_tokens, speech_tokens."""
 
@@ -46,7 +78,7 @@ class TokenShardDataset(Dataset):
 
     @classmethod
     def from_shards(cls, shard_dirs: str | Path | Sequence[str | Path]) -> TokenShardDataset:
-        dirs = [Path(shard_dirs)] if isinstance(shard_dirs, str | Path) else [Path(d) for d in shard_dirs]
+        dirs = _shard_dir_list(shard_dirs)
         files = []
         for d in dirs:
             found = sorted(d.glob(SHARD_GLOB))

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
 from ssd.models.draft import Draft, describe, save_draft
 from ssd.tracking import wandb_mode
+from ssd.training.data import check_text_tokenizer
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, validate_train_config
 
@@ -180,6 +181,9 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         agreement_sampling=sampling,
     )
     datamodule = instantiate(cfg.data)
+    target = teacher if teacher is not None else model
+    if getattr(target, "tokenizer", None) is not None and getattr(datamodule, "shard_dirs", None) is not None:
+        check_text_tokenizer(datamodule.shard_dirs, target.tokenizer)
     loggers = build_loggers(cfg.logger)
     ckpt_dir = output_dir / CHECKPOINT_DIR
     draft = isinstance(model, Draft)
@@ -190,8 +194,9 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
                         every_n_train_steps=cfg.val_every_steps, enable_version_counter=False),
         ExportCheckpoint(draft, dirpath=ckpt_dir, filename=f"{'draft' if draft else 'target'}-best",
                          monitor=monitor[0], mode=monitor[1], save_top_k=1, enable_version_counter=False),
-        LearningRateMonitor(logging_interval="step"),
     ]  # fmt: skip
+    if loggers:  # Lightning refuses a LearningRateMonitor without a logger (logger=none)
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     trainer: L.Trainer = instantiate(
