@@ -214,3 +214,15 @@ def test_schema_rejects_typos_that_struct_mode_lets_through(training_world, tmp_
         )
     with pytest.raises(ValueError, match="optim.schedule"):
         validate_train_config(compose_train_config(training_world, tmp_path, "optim.schedule=cosin"))
+
+
+def test_dev_alpha_of_a_repetition_penalty_law_says_it_leaves_the_penalty_out(training_world, caplog):
+    """Teacher-forced dev rows hold no prompt ids, so the whole-context law cannot be applied there: the
+    module measures alpha without the penalty and says so, instead of silently scoring another law."""
+    target = CosyVoice2LM.from_dir(training_world["target"])
+    sampling = SamplingConfig(top_k=25, stop_tokens=(61, 62, 63), repetition_penalty=1.2)
+    with caplog.at_level("WARNING"):
+        module = SpeechLMTrainingModule(_draft(target), target, agreement_sampling=sampling)
+    assert module.agreement_sampling.repetition_penalty is None
+    assert module.agreement_sampling.top_k == 25
+    assert "repetition_penalty=1.2" in caplog.text

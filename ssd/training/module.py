@@ -23,6 +23,8 @@ target, windows and min_len taken from the teacher-forced tokens).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -33,6 +35,8 @@ from torch import nn
 from ssd.contracts import IGNORE_INDEX
 from ssd.decoding.sampling import SamplingConfig, distribution
 from ssd.training.schema import OptimConfig
+
+log = logging.getLogger(__name__)
 
 DEV_AGREEMENT_KEYS = ("top1_agreement", "alpha_softmax", "alpha_target_sampling")
 
@@ -83,6 +87,15 @@ class SpeechLMTrainingModule(L.LightningModule):
                 f"sampling stop_tokens {list(agreement_sampling.stop_tokens)} do not fit the model's head of {vocab} "
                 "entries: build the SamplingConfig with the target's own stop_tokens"
             )
+        if agreement_sampling is not None and agreement_sampling.whole_context:
+            # Teacher-forced dev rows carry no prompt ids, so a whole-context law (repetition penalty) cannot be
+            # evaluated as the engine applies it: dev alpha_target_sampling is measured without the penalty.
+            log.warning(
+                "dev/alpha_target_sampling is measured without sampling.repetition_penalty=%s (the dev batches "
+                "hold no prompt ids); the decoding runs apply it",
+                agreement_sampling.repetition_penalty,
+            )
+            agreement_sampling = replace(agreement_sampling, repetition_penalty=None)
         self.agreement_sampling = agreement_sampling
         # Lightning loads last.ckpt, which holds only the trainable tensors (on_save_checkpoint).
         self.strict_loading = False
