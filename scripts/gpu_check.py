@@ -107,7 +107,7 @@ def exactness(device: str, rows: int) -> dict:
     """Speculative decoding with the exact rule must give AR's law of the first 3 tokens (RAS law, L_d = 2);
     the same test must reject β = 1 (every draft token kept: the draft's law)."""
     target, draft = bench.build_models(EXACTNESS_SHAPE, device, torch.float32, seed=3, head_std=0.25)
-    prompt = bench.make_prompt(EXACTNESS_SHAPE, 16, rows)
+    prompt = bench.make_prompt(EXACTNESS_SHAPE, 8, rows)
     law = SamplingConfig(nucleus="cosyvoice", top_k=25, top_p=0.9, ras_window=10, ras_tau=0.1)
     ar = decode_ar(target, prompt, law, max_len=3, generator=bench._generator(device, 1)).tokens
     out = {"rows": rows, "law": repr(law)}
@@ -175,7 +175,7 @@ def time_kernels(stage: Stage, args, shape: bench.Shape) -> None:
             if mode == "compiled":
                 compile_decoding(target, args.compile_mode)
             costs = bench.step_costs(target, prompt, blocks, args.device, args.repeats * 5)
-            stage.report[f"{mode} {dtype_name} ms"] = {f"decode(1)" if k == 1 else f"verify({k})": 1e3 * s
+            stage.report[f"{mode} {dtype_name} ms"] = {"decode(1)" if k == 1 else f"verify({k})": 1e3 * s
                                                        for k, s in costs.items()}  # fmt: skip
             print(
                 f"   {mode} {dtype_name}: " + ", ".join(f"{k} {1e3 * s:.2f} ms" for k, s in costs.items()),
@@ -227,12 +227,13 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         if stage.over(f"batch {b}"):
             continue
         prompt = bench.make_prompt(shape, args.context, b)
-        gen = bench._generator(args.device)
-        ar_s, _ = bench.best_decode(lambda: decode_ar(target, prompt, bench.LAW, max_len=args.tokens, generator=gen),
-                                    args.repeats)  # fmt: skip
+        ar_s, _ = bench.best_decode(
+            lambda p=prompt: decode_ar(target, p, bench.LAW, max_len=args.tokens, generator=bench._generator(args.device)),
+            args.repeats,
+        )  # fmt: skip
         sp_s, _ = bench.best_decode(
-            lambda: decode_speculative(target, draft, prompt, bench.LAW, SyntheticRule(0.8), draft_len=3,
-                                       max_len=args.tokens, generator=gen),
+            lambda p=prompt: decode_speculative(target, draft, p, bench.LAW, SyntheticRule(0.8), draft_len=3,
+                                                max_len=args.tokens, generator=bench._generator(args.device)),
             args.repeats,
         )  # fmt: skip
         row = {"batch": b, "AR tokens/s": b * args.tokens / ar_s, "speculative tokens/s (SYNTHETIC α=0.8, L_d=3)":
@@ -349,7 +350,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtypes = ["float32"] if torch.device(args.device).type != "cuda" else ["float32", "bfloat16"]
     if torch.device(args.device).type != "cuda":
         args.dtype = "float32"  # bf16 on CPUs without bf16 instructions is slow and says nothing
-    args.chi_rows = 3000 if args.quick else 20000
+    args.chi_rows = 2000 if args.quick else 20000
     return args
 
 
