@@ -300,8 +300,8 @@ def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: st
         "draft_len_per_round": stats.draft_len_per_round,
         "hypothesis": hypothesis, "errors": scored.errors, "ref_words": scored.ref_words, "wer": scored.wer,
         "sim": sim,
-        # TV(output law, q) is known when the rule is exact (0) or the engine tracked it (inexact, O(V) law).
-        "tv_known": m.rule is None or m.rule.exact or getattr(m.rule, "cheap_output_law", False),
+        # TV(output law, q) is known when the rule preserves q (0) or the engine computed it; else tv_sum is None.
+        "tv_known": stats.tv_sum is not None,
     }  # fmt: skip
     if m.language is not None:
         if wrong_text is not None:
