@@ -30,6 +30,11 @@ class SpeechLM(Protocol):
     The engine never looks inside a prompt or a cache: the adapter owns its input layout (CosyVoice 2:
     sos, text, task_id, prompt speech tokens) and its cache (static KV buffers with per-row lengths),
     so rows can accept different numbers of draft tokens in the same round.
+
+    Optional: `compile_decoding(mode="reduce-overhead", fullgraph=True) -> self` switches the model to a
+    static, graph-capturable decode step and compiles it (`ssd.models.base.CachedSpeechLM`, delegated by
+    `ssd.models.draft.Draft`); the runner calls it on target and draft when `decoding.compile` is true.
+    Caches prefilled after the call use the static step (docs/gpu.md).
     """
 
     vocab_size: int  # size of the speech head (logits' last dimension)

@@ -7,7 +7,7 @@ and teacher-forced `training_logits` live here once (`ssd.contracts.TTSTargetLM`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,46 @@ class CachedSpeechLM(nn.Module):
             raise ValueError(
                 f"extend: tokens must be [B={cache.lengths.shape[0]}, k], got {tuple(tokens.shape)}"
             )
-        hidden = self.backbone.forward_cached(self.embed_speech(tokens.to(self.device)), cache)
+        tokens = tokens.to(self.device)
+        if not cache.static:
+            return self.speech_logits(self.backbone.forward_cached(self.embed_speech(tokens), cache)).float()
+        self.backbone.check_static_cache(cache, tokens.shape[1])
+        logits = self._decode_step(tokens, cache.k, cache.v, cache.lengths)
+        cache.lengths = cache.lengths + tokens.shape[1]
+        # CUDA graphs reuse their output memory at the next replay: hand the caller its own copy.
+        return logits.clone() if self._compiled_step is not None else logits
+
+    def _decode_step(
+        self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The static step from speech ids to float32 logits (what compile_decoding compiles)."""
+        step = self._compiled_step or self._static_step_logits
+        return step(tokens, k_cache, v_cache, lengths)
+
+    def _static_step_logits(
+        self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.backbone.static_forward(self.embed_speech(tokens), k_cache, v_cache, lengths)
         return self.speech_logits(hidden).float()
+
+    def compile_decoding(
+        self,
+        mode: str | None = "reduce-overhead",
+        fullgraph: bool = True,
+        backend: str | Callable[..., Any] = "inductor",
+    ) -> CachedSpeechLM:
+        """Switch to the static decode path and compile its step (embedding, layers, head) with
+        torch.compile(dynamic=False): one graph per (batch size, block length, cache capacity); with
+        mode="reduce-overhead" on CUDA each is replayed as a CUDA graph (docs/gpu.md). Prefill stays
+        eager. Caches made before this call keep the eager path. Returns self."""
+        self.backbone.static_step = True
+        options = {"mode": mode} if backend == "inductor" else {}
+        self._compiled_step = torch.compile(
+            self._static_step_logits, fullgraph=fullgraph, dynamic=False, backend=backend, **options
+        )
+        return self
+
+    _compiled_step: Any = None
 
     def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
         cache.rollback(n)

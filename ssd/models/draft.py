@@ -64,6 +64,11 @@ class Draft(nn.Module):
     def rollback(self, cache: Any, n: torch.Tensor | int) -> None:
         self.model.rollback(cache, n)
 
+    def compile_decoding(self, **options: Any) -> Draft:
+        """The model's static, compiled decode step (CachedSpeechLM.compile_decoding). Returns self."""
+        self.model.compile_decoding(**options)
+        return self
+
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_speech(tokens)
 

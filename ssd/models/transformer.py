@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+STATIC_MIN_CAPACITY = (
+    256  # smallest static cache: prompts + generations of a few hundred tokens share one shape
+)
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class KVCache:
-    """Static KV buffers for all layers and the per-row number of valid positions."""
+    """Static KV buffers for all layers and the per-row number of valid positions.
+
+    `static` marks a cache made for the static decode path (`Backbone.static_step`): its capacity is
+    fixed at creation and its steps and rollbacks never read a value back to the host.
+    """
 
     k: torch.Tensor  # [n_layers, B, n_kv_heads, capacity, head_dim]
     v: torch.Tensor
     lengths: torch.Tensor  # LongTensor [B]: positions 0..lengths[b]-1 of row b are valid
     prompt_lengths: torch.Tensor  # LongTensor [B]: rollback never goes below these
+    static: bool = False
+    generation: int = 0  # static caches: which prefill of the shared buffers this cache is
 
     @property
     def capacity(self) -> int:
@@ -164,6 +173,11 @@ class KVCache:
         """Grow the buffers (rare: only when a caller extends past what prefill reserved)."""
         if needed <= self.capacity:
             return
+        if self.static:
+            raise ValueError(
+                f"a static KV cache cannot grow (capacity {self.capacity}, {needed} positions needed): "
+                "reserve the room at prefill (max_new_tokens)"
+            )
         new_capacity = max(needed, self.capacity + 64)
         shape = list(self.k.shape)
         shape[3] = new_capacity
@@ -176,7 +190,13 @@ class KVCache:
     def rollback(self, n: torch.Tensor | int) -> None:
         """Forget the last n positions of each row (n: int or LongTensor [B])."""
         new_lengths = self.lengths - n
-        if bool((new_lengths < self.prompt_lengths).any()):
+        if self.static:
+            # No host sync: on CUDA a violation is a device-side assert that surfaces at the next sync.
+            torch._assert_async(
+                (new_lengths >= self.prompt_lengths).all(),
+                "rollback would cut into the prompt (a row was rolled back past its prompt length)",
+            )
+        elif bool((new_lengths < self.prompt_lengths).any()):
             raise ValueError(
                 f"rollback by {n} would cut into the prompt (lengths {self.lengths.tolist()}, "
                 f"prompt lengths {self.prompt_lengths.tolist()})"
@@ -258,6 +278,11 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.init_rope()
+        # The switch between the two cache paths (docs/gpu.md): False = eager (attend over the used
+        # prefix; cheaper on CPU), True = static (full-capacity attention with a length mask, no host
+        # sync, capturable by CUDA graphs). It decides what new_cache makes; each cache keeps its path.
+        self.static_step = False
+        self._static_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def init_rope(self, device: Any = None) -> None:
         """(Re)compute the RoPE frequencies: a non-persistent buffer, so a model built on the meta
@@ -308,26 +333,105 @@ class Backbone(nn.Module):
     def new_cache(
         self, batch_size: int, capacity: int, dtype: torch.dtype | None = None, device: Any = None
     ) -> KVCache:
+        """An empty cache for `capacity` positions per row. On the static path (`static_step`) the
+        capacity is rounded up to a power of two (at least STATIC_MIN_CAPACITY) and the buffers of one
+        shape are reused by every later cache of that shape, so a compiled step sees few distinct
+        shapes and the same addresses (CUDA graphs replay instead of re-recording); a cache is then
+        valid only until the next new_cache of its shape on this backbone."""
         c = self.config
         weight = self.embed_tokens.weight
         dtype = dtype or weight.dtype
-        device = device or weight.device
-        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+        device = torch.device(device or weight.device)
         zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
+        if not self.static_step:
+            shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+            k, v = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            return KVCache(k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone())
+        capacity = max(STATIC_MIN_CAPACITY, 1 << (max(capacity, 1) - 1).bit_length())
+        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+        key = (shape, dtype, device)
+        if key in self._static_buffers:
+            k, v, generation = self._static_buffers[key]
+            # Stale keys are masked out, but a non-finite stale value would still poison 0 * v.
+            k.zero_()
+            v.zero_()
+            generation += 1
+        else:
+            k, v = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            generation = 0
+            # The step mutates these in place; static addresses let CUDA graphs write them directly.
+            torch._dynamo.mark_static_address(k)
+            torch._dynamo.mark_static_address(v)
+        self._static_buffers[key] = (k, v, generation)
         return KVCache(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
-            lengths=zeros,
-            prompt_lengths=zeros.clone(),
+            k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone(), static=True, generation=generation
         )
 
     def forward_cached(
         self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Append a block [B, k, H] at each row's own positions lengths[b] + j, attend over the
-        cache slice [: max(lengths) + k], then advance lengths by num_new [B] (default k: a
-        right-padded block whose rows have fewer valid entries passes their counts).
-        Returns final-normed hidden states [B, k, H]."""
+        """Append a block [B, k, H] at each row's own positions lengths[b] + j, then advance lengths by
+        num_new [B] (default k: a right-padded block whose rows have fewer valid entries passes their
+        counts). Returns final-normed hidden states [B, k, H].
+
+        An eager cache attends over the slice [: max(lengths) + k] (one host sync per step) and grows
+        when needed; a static cache (see `static_forward`) attends over its full capacity."""
+        k = inputs_embeds.shape[1]
+        if cache.static:
+            self.check_static_cache(cache, k)
+            hidden = self.static_forward(inputs_embeds, cache.k, cache.v, cache.lengths)
+        else:
+            hidden = self._eager_forward(inputs_embeds, cache)
+        cache.lengths = cache.lengths + (k if num_new is None else num_new.to(cache.lengths.device))
+        return hidden
+
+    def check_static_cache(self, cache: KVCache, k: int) -> None:
+        """A static step's preconditions, without a host sync: the cache is the current one of its
+        buffers, and k more positions fit (on CUDA a device-side assert, surfacing at the next sync)."""
+        key = (tuple(cache.k.shape), cache.k.dtype, cache.k.device)
+        current = self._static_buffers.get(key)
+        if current is None or current[0] is not cache.k or current[2] != cache.generation:
+            raise RuntimeError(
+                "this static KV cache was superseded: a later prefill on the same model reused its buffers "
+                "(the static path keeps one buffer per shape; finish one batch before prefilling the next)"
+            )
+        torch._assert_async(
+            (cache.lengths + k <= cache.capacity).all(),
+            f"static KV cache overflow: a row needs more than its capacity of {cache.capacity} positions; "
+            "reserve more room at prefill (max_new_tokens)",
+        )
+
+    def static_forward(
+        self, inputs_embeds: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The static step: no Python-int slicing and no host sync, fixed shapes for a given block
+        length (so torch.compile with CUDA graphs can capture it). Row b's block goes to positions
+        lengths[b] + j by scatter; attention runs over the whole capacity with a mask built from
+        lengths. The caller advances lengths (stale entries past them stay masked)."""
+        b, k, _ = inputs_embeds.shape
+        capacity = k_cache.shape[3]
+        device = inputs_embeds.device
+        positions = lengths[:, None] + torch.arange(k, device=device)  # [B, k]
+        mask = (torch.arange(capacity, device=device) <= positions[..., None])[:, None]  # [B, 1, k, C]
+        index = positions[:, None, :, None].expand(b, k_cache.shape[2], k, k_cache.shape[4])
+
+        def kv_write_at(layer: int):
+            def write(key, value):
+                k_cache[layer].scatter_(2, index, key)
+                v_cache[layer].scatter_(2, index, value)
+                return k_cache[layer], v_cache[layer]
+
+            return write
+
+        return self._layers(inputs_embeds, positions, mask, kv_write_at)
+
+    def _eager_forward(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
         b, k, _ = inputs_embeds.shape
         lo, hi = cache.lengths.aminmax()
         lo, hi = int(lo), int(hi)  # one host sync per step: needed to slice the cache
@@ -360,9 +464,12 @@ class Backbone(nn.Module):
 
                 return write
 
+        return self._layers(inputs_embeds, positions, mask, kv_write_at)
+
+    def _layers(self, inputs_embeds, positions, mask, kv_write_at) -> torch.Tensor:
+        """The decoder stack over a cached block: the part both cache paths share."""
         cos, sin = self._rope(positions, inputs_embeds.dtype)
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, kv_write_at(i))
-        cache.lengths = cache.lengths + (k if num_new is None else num_new.to(cache.lengths.device))
         return self.norm(x)

@@ -1,0 +1,184 @@
+"""The static decode path and compile_decoding: same logits and tokens as the eager path, no graph break,
+no recompile per step, exact rollback, ragged rows, and clear errors where a static cache cannot go."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from torch._dynamo.testing import CompileCounter  # noqa: E402
+
+from ssd.decoding.generate import decode_ar  # noqa: E402
+from ssd.decoding.sampling import SamplingConfig  # noqa: E402
+from ssd.models.cosyvoice2 import CosyVoice2LM  # noqa: E402
+from ssd.models.draft import build_draft  # noqa: E402
+from ssd.models.llasa import LlasaLM  # noqa: E402
+
+torch.set_num_threads(1)
+
+TEXTS = ["bin blue at zero now", "set red"]  # two rows of different prompt lengths
+PROMPT_TEXTS = ["lay green", ""]
+PROMPT_SPEECH = [[1, 2, 3], []]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def load(kind: str, model_dir):
+    cls = CosyVoice2LM if kind == "cosyvoice2" else LlasaLM
+    return cls.from_dir(model_dir)
+
+
+def model_dir(kind, request):
+    return request.getfixturevalue("tiny_cosyvoice2_dir" if kind == "cosyvoice2" else "tiny_llasa_dir")
+
+
+def run_script(model, prompt, steps):
+    """Drive prefill / extend / rollback as the speculative loop does; every call's logits, in order."""
+    cache, logits = model.prefill(prompt, 24)
+    out = [logits]
+    for op, arg in steps:
+        if op == "extend":
+            out.append(model.extend(cache, arg))
+        else:
+            model.rollback(cache, arg)
+    return out, cache
+
+
+# Decode(1), verify(4) with per-row rejection, then a draft's pending pair and more decode(1).
+SCRIPT = [
+    ("extend", torch.tensor([[5], [7]])),
+    ("extend", torch.tensor([[1, 9, 4, 2], [3, 3, 8, 0]])),
+    ("rollback", torch.tensor([3, 1])),
+    ("extend", torch.tensor([[6, 2], [4, 5]])),
+    ("extend", torch.tensor([[8], [1]])),
+    ("extend", torch.tensor([[2], [9]])),
+]
+
+
+@pytest.mark.parametrize("kind", ["cosyvoice2", "llasa"])
+def test_static_path_compiles_whole_and_matches_eager(kind, request):
+    """fullgraph=True raises on any graph break; the counter shows one graph per block length, i.e. the
+    step's shapes do not change from step to step (what CUDA-graph capture needs)."""
+    directory = model_dir(kind, request)
+    eager = load(kind, directory)
+    static = load(kind, directory)
+    counter = CompileCounter()
+    static.compile_decoding(backend=counter)
+    prompt = eager.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    want, cache_e = run_script(eager, prompt, SCRIPT)
+    got, cache_s = run_script(static, prompt, SCRIPT)
+    assert cache_s.static and not cache_e.static
+    assert counter.frame_count == 3  # block lengths 1, 4 and 2; the three decode(1) calls share one graph
+    assert torch.equal(cache_s.lengths, cache_e.lengths)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"call {step}: {(a - b).abs().max():.2e}"
+
+
+def test_draft_compiles_by_delegation(tiny_cosyvoice2_dir):
+    target = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    eager_draft = build_draft(target, layers=[0, -1])
+    draft = build_draft(CosyVoice2LM.from_dir(tiny_cosyvoice2_dir), layers=[0, -1])
+    counter = CompileCounter()
+    assert draft.compile_decoding(backend=counter) is draft
+    prompt = target.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    want, _ = run_script(eager_draft, prompt, SCRIPT)
+    got, cache = run_script(draft, prompt, SCRIPT)
+    assert cache.static and counter.frame_count == 3
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # inductor compiles for about a minute on 2 cores
+def test_inductor_compiled_greedy_decode_equals_eager(tiny_cosyvoice2_dir):
+    """The real compiler (inductor) on decode(1): logits within 1e-5 and identical greedy tokens."""
+    eager = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    compiled = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir).compile_decoding()
+    prompt = eager.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    greedy = SamplingConfig(temperature=0.0, stop_tokens=eager.stop_tokens)
+    results = [decode_ar(m, prompt, greedy, max_len=12) for m in (eager, compiled)]
+    assert results[0].tokens == results[1].tokens
+    assert sum(len(t) for t in results[0].tokens) > 2 * 3  # a real decode, not a stop at once
+    script = [("extend", torch.tensor([[5], [7]])), ("extend", torch.tensor([[8], [1]]))]
+    for a, b in zip(run_script(compiled, prompt, script)[0], run_script(eager, prompt, script)[0]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_static_rollback_is_exact(tiny_cosyvoice2_dir):
+    """Extend k, roll back n, extend again == extending only the kept tokens (stale cache entries are
+    masked, never read)."""
+    model = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    model.backbone.static_step = True  # static, not compiled
+    prompt = model.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    block = torch.tensor([[1, 9, 4, 2], [3, 3, 8, 0]])
+    rolled, _ = run_script(
+        model, prompt, [("extend", block), ("rollback", 3), ("extend", torch.tensor([[6], [5]]))]
+    )
+    straight, _ = run_script(model, prompt, [("extend", block[:, :1]), ("extend", torch.tensor([[6], [5]]))])
+    assert torch.allclose(rolled[-1], straight[-1], atol=1e-5, rtol=0)
+    # Negative control: rolling back one position too few keeps a rejected token, and the logits move.
+    kept_one_more, _ = run_script(
+        model, prompt, [("extend", block), ("rollback", 2), ("extend", torch.tensor([[6], [5]]))]
+    )
+    assert not torch.allclose(kept_one_more[-1], straight[-1], atol=1e-3)
+
+
+def test_ragged_static_batch_equals_each_row_alone_eager(tiny_cosyvoice2_dir):
+    static = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    static.backbone.static_step = True
+    eager = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    batch = static.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    got, cache = run_script(static, batch, SCRIPT)
+    assert cache.lengths[0] != cache.lengths[1]
+    for row in range(2):
+        alone = eager.make_prompt(
+            TEXTS[row : row + 1], PROMPT_TEXTS[row : row + 1], PROMPT_SPEECH[row : row + 1]
+        )
+        script = [(op, arg[row : row + 1] if op == "extend" else arg[row]) for op, arg in SCRIPT]
+        want, _ = run_script(eager, alone, script)
+        for a, b in zip(got, want):
+            assert torch.allclose(a[row : row + 1], b, atol=1e-5, rtol=0)
+
+
+def test_static_cache_errors_name_the_fix(tiny_cosyvoice2_dir):
+    model = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    model.backbone.static_step = True
+    prompt = model.make_prompt(TEXTS[:1])
+    cache, _ = model.prefill(prompt, 4)
+    assert cache.capacity == 256  # rounded up: few distinct shapes for the compiled step
+    with pytest.raises(RuntimeError, match="rollback would cut into the prompt"):
+        model.rollback(cache, 1)
+    with pytest.raises(RuntimeError, match="overflow.*max_new_tokens"):
+        model.extend(cache, torch.zeros(1, cache.capacity, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot grow"):
+        cache.ensure_capacity(cache.capacity + 1)
+    model.prefill(prompt, 4)  # same shape: reuses the buffers of `cache`
+    with pytest.raises(RuntimeError, match="superseded"):
+        model.extend(cache, torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(tiny_cosyvoice2_dir):
+    """mode="reduce-overhead" on CUDA: the step replays as a CUDA graph; outputs handed out stay valid."""
+    eager = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir, device="cuda")
+    compiled = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir, device="cuda").compile_decoding()
+    prompt = eager.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    script = [(op, arg.cuda()) for op, arg in SCRIPT]
+    want, _ = run_script(eager, prompt, script)
+    got, _ = run_script(compiled, prompt, script)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0)
+    greedy = SamplingConfig(temperature=0.0, stop_tokens=eager.stop_tokens)
+    assert (
+        decode_ar(eager, prompt, greedy, max_len=16).tokens
+        == decode_ar(compiled, prompt, greedy, max_len=16).tokens
+    )
