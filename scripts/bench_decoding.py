@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import itertools
 import json
 import math
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from ssd.decoding import generate as engine  # noqa: E402
 from ssd.decoding.acceptance import ExactRule, SyntheticRule  # noqa: E402
+from ssd.decoding.rng import RowRandom  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig, distribution, sample  # noqa: E402
 from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
@@ -198,6 +201,20 @@ def _has_bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+@contextmanager
+def static_cache_path(*models):
+    """Caches made inside are static (Backbone.static_step: fixed capacity, no host reads per step)."""
+    backbones = [getattr(m, "model", m).backbone for m in models]
+    before = [b.static_step for b in backbones]
+    for b in backbones:
+        b.static_step = True
+    try:
+        yield
+    finally:
+        for b, flag in zip(backbones, before):
+            b.static_step = flag
+
+
 def engine_at(rev: str):
     """The decoding engine (ssd/decoding/*.py) as it was at git revision `rev`, importable beside this one
     (its own imports of ssd.decoding point at the copies). Models and configs stay the current ones."""
@@ -219,29 +236,39 @@ def engine_at(rev: str):
     return importlib.import_module(f"{package}.generate"), commit
 
 
-def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_len: int, device) -> dict:
-    """Host syncs per round of one AR and one speculative (exact rule) decode with `generate_module`."""
+def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_len: int) -> dict:
+    """Host syncs of AR and speculative (exact rule) decoding with `generate_module`, split into a cost per
+    round and a fixed cost per decode: two decodes of `tokens` and 2·`tokens` tokens give the slope and
+    the intercept. AR's round is one token. torch's global RNG (generator None), which engines before
+    per-row streams took as well."""
+    # Without the β_t / TV bookkeeping where the engine can skip it, as a deployment decodes.
+    parameters = inspect.signature(generate_module.decode_speculative).parameters
+    deployment = {"diagnostics": False} if "diagnostics" in parameters else {}
+    # The rule of the same revision (rules' attributes change with the engine).
+    exact_rule = importlib.import_module(generate_module.__name__.rsplit(".", 1)[0] + ".acceptance").ExactRule
     out = {}
     for mode in ("ar", "speculative"):
-        with HostSyncCounter() as counter:
-            if mode == "ar":
-                result = generate_module.decode_ar(
-                    target, prompt, LAW, max_len=tokens, generator=_generator(device)
-                )
-                rounds = result.stats.target_calls + 1  # + the first token, sampled from the prefill
-            else:
-                result = generate_module.decode_speculative(
-                    target, draft, prompt, LAW, ExactRule(), draft_len=draft_len, max_len=tokens,
-                    generator=_generator(device),
-                )  # fmt: skip
-                rounds = result.stats.rounds
-        out[mode] = {"syncs": counter.total, "rounds": rounds, "per_round": counter.total / max(1, rounds),
-                     "by_call": dict(counter.calls.most_common())}  # fmt: skip
+        counts = []
+        for n in (tokens, 2 * tokens):
+            with HostSyncCounter() as counter:
+                if mode == "ar":
+                    generate_module.decode_ar(target, prompt, LAW, max_len=n)
+                    rounds = n
+                else:
+                    rounds = generate_module.decode_speculative(
+                        target, draft, prompt, LAW, exact_rule(), draft_len=draft_len, max_len=n, **deployment
+                    ).stats.rounds  # fmt: skip
+            counts.append((rounds, counter.total, dict(counter.calls.most_common())))
+        (r1, s1, _), (r2, s2, by_call) = counts
+        per_round = (s2 - s1) / max(1, r2 - r1)
+        out[mode] = {"per_round": per_round, "per_decode": s2 - per_round * r2, "rounds": r2, "syncs": s2,
+                     "by_call": by_call}  # fmt: skip
     return out
 
 
 def _generator(device, seed: int = 0) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+    """The seed of a decode's per-row random streams (the engine draws them on `device` from it)."""
+    return torch.Generator().manual_seed(seed)
 
 
 def best_decode(fn, repeats: int):
@@ -252,9 +279,11 @@ def best_decode(fn, repeats: int):
     return best.stats.time_total, best
 
 
-def step_costs(model, prompt, blocks, device, repeats) -> dict[int, float]:
-    """Seconds per extend() of each block size (then rolled back), at the prompt's context length."""
-    cache, _ = model.prefill(prompt, max(blocks) + 8)
+def step_costs(model, prompt, blocks, device, repeats, room: int | None = None) -> dict[int, float]:
+    """Seconds per extend() of each block size (then rolled back), at the prompt's context length.
+    room: cache positions reserved after the prompt (a compiled step has one graph per cache capacity:
+    pass the decodes' room to time the graphs they replay)."""
+    cache, _ = model.prefill(prompt, room or max(blocks) + 8)
     costs = {}
     for k in blocks:
         tokens = torch.zeros(prompt.batch_size, k, dtype=torch.long, device=device)
@@ -269,16 +298,17 @@ def step_costs(model, prompt, blocks, device, repeats) -> dict[int, float]:
 
 def sampler_costs(vocab: int, rows: list[int], device, repeats: int) -> list[dict]:
     """Seconds per distribution() + sample() over `rows` rows of random logits, for both laws."""
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     out = []
     for law_name, law in (("top-k/top-p", LAW), ("cosyvoice RAS", COSYVOICE_LAW)):
         for n in rows:
-            logits = torch.randn(n, vocab, generator=g, device=device)
-            window = torch.randint(0, vocab, (n, law.window), generator=g, device=device)
+            logits = torch.randn(n, vocab, generator=g).to(device)
+            window = torch.randint(0, vocab, (n, law.window), generator=g).to(device)
             step = torch.full((n,), 5, device=device)
+            streams = RowRandom(range(n), device)  # made once per decode by the engine, not per step
 
-            def call(logits=logits, window=window, step=step, law=law):
-                sample(distribution(law, logits, window, step, 0), g)
+            def call(logits=logits, window=window, step=step, law=law, streams=streams):
+                sample(distribution(law, logits, window, step, 0), streams)
 
             out.append({"law": law_name, "rows": n, "ms": 1e3 * median_seconds(call, device, repeats)})
     return out
@@ -351,12 +381,17 @@ def bench_shape(name: str, args, log=print) -> dict:
     res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
 
     log(f"[{name}] host syncs per round")
-    res["syncs"] = {"this engine": syncs_per_round(engine, target, draft, prompt, min(tokens, 24), 3, device)}
+    res["syncs"] = {"this engine": syncs_per_round(engine, target, draft, prompt, min(tokens, 24), 3)}
+    if hasattr(target.backbone, "static_step"):  # the cache path a compiled step uses, here without compiling
+        with static_cache_path(target, draft):
+            res["syncs"]["this engine, static cache path"] = syncs_per_round(
+                engine, target, draft, prompt, min(tokens, 24), 3
+            )
     if args.baseline_engine:
         try:
             old, commit = engine_at(args.baseline_engine)
             res["syncs"][f"{args.baseline_engine} ({commit})"] = syncs_per_round(
-                old, target, draft, prompt, min(tokens, 24), 3, device
+                old, target, draft, prompt, min(tokens, 24), 3
             )
         except Exception as err:  # the baseline is informative, never a reason to lose the run
             res["syncs"][f"{args.baseline_engine}"] = {"error": f"{type(err).__name__}: {err}"}
@@ -390,7 +425,7 @@ def bench_shape(name: str, args, log=print) -> dict:
             seconds, result = best_decode(
                 lambda rule=rule, k=k, rows=rows: engine.decode_speculative(
                     target, draft, prompt, LAW, rule, draft_len=k, max_len=tokens, generator=_generator(device),
-                    verify_rows=rows,
+                    verify_rows=rows, diagnostics=False,
                 ),
                 repeats,
             )  # fmt: skip
@@ -423,7 +458,7 @@ def bench_shape(name: str, args, log=print) -> dict:
         sp_b, _ = best_decode(
             lambda p=batch_prompt: engine.decode_speculative(
                 target, draft, p, LAW, SyntheticRule(max(alphas)), draft_len=k_batch, max_len=tokens,
-                generator=_generator(device),
+                generator=_generator(device), diagnostics=False,
             ),
             repeats,
         )  # fmt: skip
@@ -474,8 +509,10 @@ def markdown(results: dict) -> str:
                 continue
             for mode, s in per_mode.items():
                 calls = ", ".join(f"{k} {v}" for k, v in s["by_call"].items())
-                rows.append([engine_name, mode, _f(s["per_round"], 1), calls])
-        out.append(_table(["engine", "decode", "syncs / round", "calls (whole decode)"], rows))
+                rows.append([engine_name, mode, _f(s["per_round"], 1), _f(s["per_decode"], 1), calls])
+        out.append(
+            _table(["engine", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"], rows)
+        )
         ar = res["ar"]
         out.append("\n### AR, batch 1\n")
         line = f"this engine {_f(ar['engine_tokens_per_s'], 1)} tokens/s"

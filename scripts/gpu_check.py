@@ -39,12 +39,21 @@ from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
 
 DEFAULT_OUT = bench.REPO / "experiments" / "results" / "gpu_engine"
 # Share of the budget each stage may use (the rest is slack for model building and compilation).
-STAGE_SHARES = {"correctness": 0.25, "kernels": 0.15, "decoding": 0.3, "batch": 0.1, "syncs": 0.05}
+STAGE_SHARES = {
+    "eager": 0.1,
+    "compiled": 0.3,
+    "exactness": 0.08,
+    "decoding": 0.25,
+    "batch": 0.12,
+    "syncs": 0.05,
+}
+CHECK_STAGES = ("eager", "compiled", "exactness")
 # A small model with a sharp head, so that draft and target laws differ and the chi-square has power.
 EXACTNESS_SHAPE = bench.Shape(64, 4, 4, 2, 128, 13, (0,), text_vocab=50)
 P_REJECT = 1e-3
 # Compiled vs eager logits: max |diff| / max |eager logit|.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+GREEDY = SamplingConfig(temperature=0)
 
 
 class Stage:
@@ -67,21 +76,19 @@ class Stage:
         self.report["seconds"] = time.perf_counter() - self.start
 
 
-def compile_decoding(model, mode: str):
-    """The engine's compiled decode step (the model's `compile_decoding`); drafts delegate to their model."""
-    inner = getattr(model, "model", model)
-    if not hasattr(inner, "compile_decoding"):
+def compile_decoding(model, args):
+    """The model's static decode step, compiled (`compile_decoding`, targets and drafts alike)."""
+    if not hasattr(model, "compile_decoding"):
         raise RuntimeError(
-            f"{type(inner).__name__} has no compile_decoding(mode=...): this engine revision has no "
-            "graph-capturable decode step; run with --compile off"
+            f"{type(model).__name__} has no compile_decoding(): this engine revision has no graph-capturable "
+            "decode step; run with --compile off"
         )
-    inner.compile_decoding(mode=mode)
-    return model
+    return model.compile_decoding(mode=args.compile_mode, backend=args.compile_backend)
 
 
-def extend_logits(model, prompt, block: torch.Tensor) -> torch.Tensor:
-    """Logits of extend(block) after a fresh prefill of `prompt` (the cache is discarded)."""
-    cache, _ = model.prefill(prompt, block.shape[1] + 8)
+def extend_logits(model, prompt, block: torch.Tensor, room: int) -> torch.Tensor:
+    """Logits of extend(block) after a fresh prefill of `prompt` with `room` positions reserved."""
+    cache, _ = model.prefill(prompt, room)
     return model.extend(cache, block).float()
 
 
@@ -123,64 +130,82 @@ def exactness(device: str, rows: int) -> dict:
     return out
 
 
-def check_correctness(stage: Stage, args, shape: bench.Shape) -> None:
+def decode_room(args) -> int:
+    """Positions the speculative decodes reserve after the prompt (as decode_speculative computes it), so
+    that the per-call timings and the compiled-vs-eager checks use the same cache capacity, hence the same
+    compiled graphs, as the decodes."""
+    return 2 * args.tokens + max(args.draft_lens) + 2
+
+
+def blocks_of(args, dtype_name: str) -> list[int]:
+    """Block lengths timed per dtype: decode(1) and every verify(L_d+1) for the decoding dtype; decode(1)
+    and verify(4) for the other (each block length is one more compiled graph)."""
+    return [1, *(k + 1 for k in args.draft_lens)] if dtype_name == args.dtype else [1, 4]
+
+
+def eager_reference(stage: Stage, args, shape: bench.Shape, targets: dict) -> dict:
+    """Eager logits, greedy tokens and per-call costs of each dtype's target, before it is compiled."""
+    r, prompt, room = stage.report, bench.make_prompt(shape, args.context), decode_room(args)
+    r["checks"], reference = {}, {}
+    for dtype_name, target in targets.items():
+        if stage.over(f"eager {dtype_name}"):
+            continue
+        g = torch.Generator().manual_seed(5)
+        blocks = {
+            k: torch.randint(0, shape.speech_tokens, (1, k), generator=g).to(args.device) for k in (1, 4)
+        }
+        reference[dtype_name] = {"blocks": blocks, "logits": {k: extend_logits(target, prompt, b, room)
+                                                             for k, b in blocks.items()}}  # fmt: skip
+        if dtype_name == "float32":
+            reference[dtype_name]["greedy"] = decode_ar(target, prompt, GREEDY, max_len=args.tokens).tokens
+            if not args.no_hf:
+                diff = bench.hf_logits_match(target, bench.hf_causal_lm(target), prompt)
+                r["checks"]["same weights as HF (float32 max |Δ logit|)"] = {"value": diff, "ok": diff < 1e-3}
+        costs = bench.step_costs(
+            target, prompt, blocks_of(args, dtype_name), args.device, 5 * args.repeats, room
+        )
+        r[f"eager {dtype_name} ms"] = {_call_name(k): 1e3 * s for k, s in costs.items()}
+        print(f"   eager {dtype_name}: {r[f'eager {dtype_name} ms']}", flush=True)
+    return reference
+
+
+def compiled_checks(stage: Stage, args, shape: bench.Shape, targets: dict, reference: dict) -> None:
+    """Compile each target once; its logits and greedy tokens against the eager reference; per-call costs."""
+    r, prompt, room = stage.report, bench.make_prompt(shape, args.context), decode_room(args)
+    r["checks"] = {}
+    for dtype_name, target in targets.items():
+        if dtype_name not in reference or stage.over(f"compiled {dtype_name}"):
+            continue
+        compile_decoding(target, args)
+        ref = reference[dtype_name]
+        for k, block in ref["blocks"].items():
+            for _ in range(2):  # the first call compiles and records; compare a replay
+                compiled = extend_logits(target, prompt, block, room)
+            rel = float((compiled - ref["logits"][k]).abs().max() / ref["logits"][k].abs().max())
+            r["checks"][f"compiled == eager {_call_name(k)} logits, {dtype_name} (rel. max |Δ|)"] = {
+                "value": rel, "ok": rel <= TOLERANCE[dtype_name]}  # fmt: skip
+        if "greedy" in ref:
+            same = decode_ar(target, prompt, GREEDY, max_len=args.tokens).tokens == ref["greedy"]
+            r["checks"][f"greedy tokens compiled == eager ({dtype_name})"] = {"value": same, "ok": same}
+        costs = bench.step_costs(
+            target, prompt, blocks_of(args, dtype_name), args.device, 5 * args.repeats, room
+        )
+        r[f"compiled {dtype_name} ms"] = {_call_name(k): 1e3 * s for k, s in costs.items()}
+        print(f"   compiled {dtype_name}: {r[f'compiled {dtype_name} ms']}", flush=True)
+
+
+def exactness_check(stage: Stage, args) -> None:
     r = stage.report
     r["checks"] = {}
-    prompt = bench.make_prompt(shape, args.context)
-    for dtype_name in args.dtypes:
-        if stage.over(f"compiled vs eager ({dtype_name})"):
-            continue
-        target, _ = bench.build_models(shape, args.device, getattr(torch, dtype_name))
-        blocks = {k: torch.randint(0, shape.speech_tokens, (1, k), device=args.device) for k in (1, 4)}
-        eager = {k: extend_logits(target, prompt, b) for k, b in blocks.items()}
-        greedy = SamplingConfig(temperature=0)
-        eager_tokens = decode_ar(target, prompt, greedy, max_len=args.tokens).tokens
-        if dtype_name == "float32" and not args.no_hf:
-            hf = bench.hf_causal_lm(target)
-            diff = bench.hf_logits_match(target, hf, prompt)
-            r["checks"]["same weights as HF (float32 max |Δ logit|)"] = {"value": diff, "ok": diff < 1e-3}
-            del hf
-        if args.compile == "off":
-            continue
-        compile_decoding(target, args.compile_mode)
-        for k, block in blocks.items():
-            for _ in range(2):  # the first call compiles/records; compare a replayed one
-                compiled = extend_logits(target, prompt, block)
-            rel = float((compiled - eager[k]).abs().max() / eager[k].abs().max())
-            r["checks"][f"compiled == eager extend({k}) logits, {dtype_name} (rel. max |Δ|)"] = {
-                "value": rel, "ok": rel <= TOLERANCE[dtype_name]}  # fmt: skip
-        if dtype_name == "float32":
-            tokens = decode_ar(target, prompt, greedy, max_len=args.tokens).tokens
-            r["checks"]["greedy tokens compiled == eager (float32)"] = {"value": tokens == eager_tokens,
-                                                                         "ok": tokens == eager_tokens}  # fmt: skip
-    if not stage.over("exactness chi-square"):
-        result = exactness(args.device, args.chi_rows)
-        for name in ("exact", "negative control β=1"):
-            r["checks"][f"chi-square speculative vs AR, {name} (p; reject < {P_REJECT})"] = {
-                "value": result[name]["p_value"], "ok": result[name]["ok"]}  # fmt: skip
-        r["exactness"] = result
-    for name, check in r["checks"].items():
-        print(f"   {'ok  ' if check['ok'] else 'FAIL'} {name}: {check['value']}", flush=True)
+    result = exactness(args.device, args.chi_rows)
+    for name in ("exact", "negative control β=1"):
+        r["checks"][f"chi-square speculative vs AR, {name} (p; reject < {P_REJECT})"] = {
+            "value": result[name]["p_value"], "ok": result[name]["ok"]}  # fmt: skip
+    r["result"] = result
 
 
-def time_kernels(stage: Stage, args, shape: bench.Shape) -> None:
-    prompt = bench.make_prompt(shape, args.context)
-    blocks = [1, *(k + 1 for k in args.draft_lens)]
-    for dtype_name in args.dtypes:
-        target, _ = bench.build_models(shape, args.device, getattr(torch, dtype_name))
-        modes = ["eager"] + ([] if args.compile == "off" else ["compiled"])
-        for mode in modes:
-            if stage.over(f"{mode} {dtype_name}"):
-                continue
-            if mode == "compiled":
-                compile_decoding(target, args.compile_mode)
-            costs = bench.step_costs(target, prompt, blocks, args.device, args.repeats * 5)
-            stage.report[f"{mode} {dtype_name} ms"] = {"decode(1)" if k == 1 else f"verify({k})": 1e3 * s
-                                                       for k, s in costs.items()}  # fmt: skip
-            print(
-                f"   {mode} {dtype_name}: " + ", ".join(f"{k} {1e3 * s:.2f} ms" for k, s in costs.items()),
-                flush=True,
-            )
+def _call_name(k: int) -> str:
+    return "decode(1)" if k == 1 else f"verify({k})"
 
 
 def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
@@ -198,8 +223,8 @@ def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None
         r["HF generate tokens/s"] = tokens / hf_s
         del hf
     blocks = [1, *(k + 1 for k in args.draft_lens)]
-    t_cost = bench.step_costs(target, prompt, blocks, device, args.repeats * 5)
-    c = bench.step_costs(draft, prompt, [1], device, args.repeats * 5)[1] / t_cost[1]
+    t_cost = bench.step_costs(target, prompt, blocks, device, 5 * args.repeats, decode_room(args))
+    c = bench.step_costs(draft, prompt, [1], device, 5 * args.repeats, decode_room(args))[1] / t_cost[1]
     r["c"], r["v"] = c, {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}
     r["runs"] = []
     for alpha in args.alphas:
@@ -209,7 +234,7 @@ def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None
             seconds, result = bench.best_decode(
                 lambda alpha=alpha, k=k: decode_speculative(
                     target, draft, prompt, bench.LAW, SyntheticRule(alpha), draft_len=k, max_len=tokens,
-                    generator=bench._generator(device),
+                    generator=bench._generator(device), diagnostics=False,
                 ),
                 args.repeats,
             )  # fmt: skip
@@ -233,7 +258,7 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         )  # fmt: skip
         sp_s, _ = bench.best_decode(
             lambda p=prompt: decode_speculative(target, draft, p, bench.LAW, SyntheticRule(0.8), draft_len=3,
-                                                max_len=args.tokens, generator=bench._generator(args.device)),
+                                                max_len=args.tokens, generator=bench._generator(args.device), diagnostics=False),
             args.repeats,
         )  # fmt: skip
         row = {"batch": b, "AR tokens/s": b * args.tokens / ar_s, "speculative tokens/s (SYNTHETIC α=0.8, L_d=3)":
@@ -245,7 +270,7 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
 def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     prompt = bench.make_prompt(shape, args.context)
     stage.report["torch-function counter"] = bench.syncs_per_round(
-        bench.engine, target, draft, prompt, min(args.tokens, 24), 3, args.device
+        bench.engine, target, draft, prompt, min(args.tokens, 24), 3
     )
     if torch.device(args.device).type == "cuda":
         # CUDA's own view: every synchronising call warns once in this mode.
@@ -254,7 +279,8 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 result = decode_speculative(target, draft, prompt, bench.LAW, ExactRule(), draft_len=3,
-                                            max_len=min(args.tokens, 24), generator=bench._generator(args.device))  # fmt: skip
+                                            max_len=min(args.tokens, 24), generator=bench._generator(args.device),
+                                            diagnostics=False)  # fmt: skip
         finally:
             torch.cuda.set_sync_debug_mode("default")
         n = sum("synchroniz" in str(w.message) for w in caught)
@@ -263,13 +289,19 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     print(f"   {json.dumps(stage.report, default=str)[:400]}", flush=True)
 
 
+def all_checks(report: dict) -> dict:
+    return {name: c for st in CHECK_STAGES for name, c in report.get(st, {}).get("checks", {}).items()}
+
+
 def summary_md(report: dict) -> str:
     lines = [f"# GPU check\n\n`{report['command']}`\n\n{report['machine']}; git {report['git']}; "
              f"{report['seconds']:.0f} s. Random weights; SYNTHETIC rows fix α (not a sample of the target).\n",
              "## Correctness\n", "| check | value | ok |", "|---|---|---|"]  # fmt: skip
-    for name, check in report.get("correctness", {}).get("checks", {}).items():
+    for name, check in all_checks(report).items():
         lines.append(f"| {name} | {check['value']} | {'yes' if check['ok'] else '**NO**'} |")
-    kernels = {k: v for k, v in report.get("kernels", {}).items() if k.endswith(" ms")}
+    kernels = {
+        k: v for st in ("eager", "compiled") for k, v in report.get(st, {}).items() if k.endswith(" ms")
+    }
     if kernels:
         calls = list(next(iter(kernels.values())))
         lines += [
@@ -301,7 +333,9 @@ def summary_md(report: dict) -> str:
     if syncs:
         lines.append("\n## Host syncs per round\n")
         for mode, s in syncs.get("torch-function counter", {}).items():
-            lines.append(f"- {mode} (torch-function counter): {s['per_round']:.1f}")
+            lines.append(
+                f"- {mode} (torch-function counter): {s['per_round']:.1f} per round + {s['per_decode']:.1f} per decode"
+            )
         if "CUDA sync debug mode, speculative" in syncs:
             lines.append(
                 f"- speculative (CUDA sync debug mode): {syncs['CUDA sync debug mode, speculative']['per_round']:.1f}"
@@ -325,9 +359,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--budget", type=float, default=420.0, help="seconds for all stages (H200: stays under 8 min)"
     )
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the decoding/batch/syncs stages")
-    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                        help="time and check the compiled step (auto: on for CUDA, off for CPU)")  # fmt: skip
-    parser.add_argument("--compile-mode", default="reduce-overhead")
+    parser.add_argument(
+        "--compile", choices=["on", "off"], default="on", help="check and time the compiled step"
+    )
+    parser.add_argument(
+        "--compile-mode", default="reduce-overhead", help="torch.compile mode (inductor only)"
+    )
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend (default: inductor on CUDA; 'eager' on CPU, which captures the "
+                             "graph without generating code, so --quick stays seconds)")  # fmt: skip
     parser.add_argument("--no-hf", action="store_true")
     args = parser.parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -340,8 +380,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             file=sys.stderr,
         )
         sys.exit(2)
-    if args.compile == "auto":
-        args.compile = "on" if torch.device(args.device).type == "cuda" else "off"
+    cuda = torch.device(args.device).type == "cuda"
+    args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     args.shape = "tiny" if args.quick else "cosyvoice2"
     args.context, args.tokens, args.repeats = (32, 12, 1) if args.quick else (200, 100, 3)
     args.draft_lens = [1, 2] if args.quick else [1, 2, 3, 4, 5, 6]
@@ -360,25 +400,35 @@ def main(argv=None) -> int:
     shape = bench.SHAPES[args.shape]
     report: dict = {"command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
                     "machine": bench.machine(args.device), "git": bench.git_commit(), "shape": args.shape,
-                    "dtype": args.dtype, "compile": f"compiled ({args.compile_mode})" if args.compile == "on" else "eager"}  # fmt: skip
+                    "dtype": args.dtype, "compile": f"compiled ({args.compile_backend}, {args.compile_mode})" if args.compile == "on" else "eager"}  # fmt: skip
     budget = {name: share * args.budget for name, share in STAGE_SHARES.items()}
 
-    stage = Stage("correctness", budget["correctness"], report)
-    check_correctness(stage, args, shape)
-    stage.done()
-    stage = Stage("kernels", budget["kernels"], report)
-    time_kernels(stage, args, shape)
-    stage.done()
+    # One graph per (model, batch, block length, cache capacity): this check visits about twenty.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     target, draft = bench.build_models(shape, args.device, getattr(torch, args.dtype))
+    targets = {args.dtype: target}
+    for dtype_name in args.dtypes:
+        targets.setdefault(dtype_name, bench.build_models(shape, args.device, getattr(torch, dtype_name))[0])
+
+    stage = Stage("eager", budget["eager"], report)
+    reference = eager_reference(stage, args, shape, targets)
+    stage.done()
     if args.compile == "on":
-        compile_decoding(target, args.compile_mode), compile_decoding(draft, args.compile_mode)
+        stage = Stage("compiled", budget["compiled"], report)
+        compiled_checks(stage, args, shape, targets, reference)
+        stage.done()
+        compile_decoding(draft, args)
+    targets = reference = None  # only the decoding dtype's target stays in memory
+    stage = Stage("exactness", budget["exactness"], report)
+    exactness_check(stage, args)
+    stage.done()
     for name, fn in (("decoding", time_decoding), ("batch", time_batches), ("syncs", count_syncs)):
         stage = Stage(name, budget[name], report)
         fn(stage, args, shape, target, draft)
         stage.done()
 
     report["seconds"] = time.perf_counter() - start
-    failed = [n for n, c in report["correctness"].get("checks", {}).items() if not c["ok"]]
+    failed = [n for n, c in all_checks(report).items() if not c["ok"]]
     report["failed_checks"] = failed
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
