@@ -128,7 +128,8 @@ def hf_causal_lm(model: CosyVoice2LM):
     hf_config.vocab_size = model.vocab_size
     hf_config.tie_word_embeddings = False  # speech embedding and speech head are different tensors
     hf_config._attn_implementation = "sdpa"
-    hf = Qwen2ForCausalLM(hf_config).to(device=model.device, dtype=model.dtype).eval()
+    with torch.device(model.device):  # initialising 0.5 B parameters is quicker on the GPU
+        hf = Qwen2ForCausalLM(hf_config).to(dtype=model.dtype).eval()
     state = {f"model.{k}": v for k, v in model.backbone.state_dict().items() if k != "embed_tokens.weight"}
     state["model.embed_tokens.weight"] = model.speech_embedding.weight
     state["lm_head.weight"] = model.llm_decoder.weight
