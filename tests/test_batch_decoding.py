@@ -39,14 +39,9 @@ def _models(draft_noise: float = 1.0):
     return RaggedTrigramLM(target.table), RaggedTrigramLM(draft.table)
 
 
-def _rows_alone(decode, rows=range(len(PROMPTS))):
-    """decode(prompts, seeds, max_len, min_len) for each row on its own."""
-    return [decode([PROMPTS[b]], [SEEDS[b]], [MAX_LEN[b]], [MIN_LEN[b]]) for b in rows]
-
-
 def _assert_batch_equals_alone(decode):
     batch = decode(PROMPTS, SEEDS, MAX_LEN, MIN_LEN)
-    alone = _rows_alone(decode)
+    alone = [decode([PROMPTS[b]], [SEEDS[b]], [MAX_LEN[b]], [MIN_LEN[b]]) for b in range(len(PROMPTS))]
     assert len({len(t) for t in batch.tokens}) > 1  # the rows really are ragged in output too
     for b, single in enumerate(alone):
         assert batch.tokens[b] == single.tokens[0], f"row {b}"
@@ -99,7 +94,9 @@ def test_batch_level_stats_are_the_sums_of_the_rows():
     for key in ("proposed", "accepted", "overlap_sum", "tv_sum"):
         assert getattr(s, key) == pytest.approx([sum(v) for v in zip(*(r[key] for r in rows))], rel=1e-12)
     for r in rows:
-        assert r["target_calls"] == r["rounds"] == len(r["accepted_per_round"]) == len(r["draft_len_per_round"])
+        assert (
+            r["target_calls"] == r["rounds"] == len(r["accepted_per_round"]) == len(r["draft_len_per_round"])
+        )
         assert r["draft_calls"] == sum(r["draft_len_per_round"])
         assert r["proposed"][0] == r["rounds"] and sum(r["accepted"]) == sum(r["accepted_per_round"])
     assert sorted(n for r in rows for n in r["accepted_per_round"]) == sorted(
@@ -133,7 +130,9 @@ def test_a_different_seed_changes_the_row_negative_control():
 def test_adaptive_draft_length_refuses_a_batch():
     target, draft = _models()
     adaptive = AdaptiveDraftLength(min_len=1, max_len=6)
-    with pytest.raises(ValueError, match="adaptive draft length shares one k across the batch.*fixed draft_len"):
+    with pytest.raises(
+        ValueError, match="adaptive draft length shares one k across the batch.*fixed draft_len"
+    ):
         decode_speculative(target, draft, PROMPTS, LAW, ExactRule(), draft_len=2, max_len=10, adaptive=adaptive,
                            generator=RowRandom(SEEDS))  # fmt: skip
     single = decode_speculative(target, draft, PROMPTS[:1], LAW, ExactRule(), draft_len=2, max_len=30,
@@ -174,7 +173,9 @@ def test_diagnostics_run_outside_the_timed_phases(monkeypatch):
     """Every output_law (TV) call sits in the diagnostics phase: the lap after it is 'diagnostics'."""
     events = []
     lap = generate._Clock.lap
-    monkeypatch.setattr(generate._Clock, "lap", lambda self, phase: (events.append(phase), lap(self, phase))[1])
+    monkeypatch.setattr(
+        generate._Clock, "lap", lambda self, phase: (events.append(phase), lap(self, phase))[1]
+    )
     rule = ToleranceRule(0.4)
     output_law = rule.output_law
     rule.output_law = lambda p, q: (events.append("output_law"), output_law(p, q))[1]
@@ -192,7 +193,9 @@ def test_diagnostics_run_outside_the_timed_phases(monkeypatch):
     quiet = decode_speculative(target, draft, PROMPTS, LAW, rule, draft_len=3, max_len=torch.tensor(MAX_LEN),
                                generator=RowRandom(SEEDS), diagnostics=False)  # fmt: skip
     assert "output_law" not in events and "diagnostics" not in events
-    assert quiet.stats.time_diagnostics == 0.0 and quiet.stats.tv_sum is None and quiet.stats.overlap_sum is None
+    assert (
+        quiet.stats.time_diagnostics == 0.0 and quiet.stats.tv_sum is None and quiet.stats.overlap_sum is None
+    )
     assert all(r["tv_sum"] is None and r["overlap_sum"] is None for r in quiet.rows)
     assert quiet.tokens == result.tokens  # diagnostics draw no random numbers and change nothing
 
