@@ -84,18 +84,29 @@ def test_static_path_compiles_whole_and_matches_eager(kind, request):
         assert torch.allclose(a, b, atol=1e-5, rtol=0), f"call {step}: {(a - b).abs().max():.2e}"
 
 
-def test_draft_compiles_by_delegation(tiny_cosyvoice2_dir):
+def test_draft_compiles_by_delegation_and_many_block_lengths_stay_compiled(tiny_cosyvoice2_dir):
+    """A target and its draft compiled together: the draft's steps match its eager twin, and the 11 graphs
+    of both (more than dynamo's default limit of 8 per code object, which they share) all get compiled
+    rather than falling back to eager."""
+    eager_draft = build_draft(CosyVoice2LM.from_dir(tiny_cosyvoice2_dir), layers=[0, -1])
     target = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
-    eager_draft = build_draft(target, layers=[0, -1])
-    draft = build_draft(CosyVoice2LM.from_dir(tiny_cosyvoice2_dir), layers=[0, -1])
+    draft = build_draft(target, layers=[0, -1])
     counter = CompileCounter()
     assert draft.compile_decoding(backend=counter) is draft
+    target.compile_decoding(backend=counter)
     prompt = target.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
     want, _ = run_script(eager_draft, prompt, SCRIPT)
     got, cache = run_script(draft, prompt, SCRIPT)
     assert cache.static and counter.frame_count == 3
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    verify_every_k = [
+        step
+        for k in range(1, 9)
+        for step in (("extend", torch.ones(2, k + 1, dtype=torch.long)), ("rollback", k))
+    ]
+    run_script(target, prompt, verify_every_k)
+    assert counter.frame_count == 3 + 8
 
 
 @pytest.mark.slow  # inductor compiles for about a minute on 2 cores

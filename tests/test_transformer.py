@@ -84,12 +84,15 @@ def test_matches_hf_and_loads_its_state_dict_strictly(config):
         assert torch.allclose(ours.forward_cached(x, cache), expected, atol=1e-5, rtol=1e-4)
 
 
-def test_incremental_decoding_equals_full_recompute():
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_incremental_decoding_equals_full_recompute(static):
     model = random_backbone(tiny_config("qwen2"))
+    model.static_step = static
     x = torch.randn(2, 12, 32)
     with torch.no_grad():
         full = model(x)
-        cache = model.new_cache(2, 4)  # too small on purpose: the cache grows when needed
+        cache = model.new_cache(2, 4)  # too small on purpose: an eager cache grows, a static one rounds up
+        assert cache.static == static
         pieces = [model.forward_cached(x[:, :5], cache)]
         for t in range(5, 8):
             pieces.append(model.forward_cached(x[:, t : t + 1], cache))
@@ -98,8 +101,10 @@ def test_incremental_decoding_equals_full_recompute():
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
 
 
-def test_rollback_then_reextend_equals_recompute():
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_rollback_then_reextend_equals_recompute(static):
     model = random_backbone(tiny_config("llama"))
+    model.static_step = static
     x = torch.randn(1, 10, 32)
     other = torch.randn(1, 3, 32)
     with torch.no_grad():
@@ -111,12 +116,15 @@ def test_rollback_then_reextend_equals_recompute():
         got = model.forward_cached(other, cache)
         expected = model(torch.cat([x[:, :7], other], dim=1))[:, 7:]
     assert torch.allclose(got, expected, atol=1e-5)
-    with pytest.raises(ValueError, match="cut into the prompt"):
+    with pytest.raises(RuntimeError if static else ValueError, match="cut into the prompt"):
         cache.rollback(5)
+    assert cache.lengths.tolist() == [10]  # a refused rollback changes nothing
 
 
-def test_rows_of_different_lengths_match_each_row_alone():
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_rows_of_different_lengths_match_each_row_alone(static):
     model = random_backbone(tiny_config("qwen2"))
+    model.static_step = static
     lengths = torch.tensor([7, 3, 5])
     prompts = torch.randn(3, 7, 32)
     steps = torch.randn(3, 4, 32)

@@ -17,6 +17,8 @@ from torch import nn
 from ssd.contracts import IGNORE_INDEX
 from ssd.models.transformer import Backbone, KVCache
 
+RECOMPILE_LIMIT = 128  # step graphs per code object: batch sizes x block lengths x capacities, all models
+
 
 class CachedSpeechLM(nn.Module):
     """Base of the speech LM adapters; speaks `ssd.contracts.TTSTargetLM`."""
@@ -26,6 +28,7 @@ class CachedSpeechLM(nn.Module):
     speech_token_size: int
     eos_token: int
     stop_tokens: tuple[int, ...]
+    _compiled_step: Callable[..., torch.Tensor] | None = None  # set by compile_decoding
 
     # --- what a subclass provides -------------------------------------------------------------
     def embed_prompt(self, prompt: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,21 +76,20 @@ class CachedSpeechLM(nn.Module):
         if not cache.static:
             return self.speech_logits(self.backbone.forward_cached(self.embed_speech(tokens), cache)).float()
         self.backbone.check_static_cache(cache, tokens.shape[1])
-        logits = self._decode_step(tokens, cache.k, cache.v, cache.lengths)
+        step = self._compiled_step or self._static_step_logits
+        logits = step(tokens, cache.k, cache.v, cache.lengths)
         cache.lengths = cache.lengths + tokens.shape[1]
         # CUDA graphs reuse their output memory at the next replay: hand the caller its own copy.
         return logits.clone() if self._compiled_step is not None else logits
 
-    def _decode_step(
-        self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+    def _static_step_logits(
+        self,
+        tokens: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        lengths: torch.Tensor,
     ) -> torch.Tensor:
         """The static step from speech ids to float32 logits (what compile_decoding compiles)."""
-        step = self._compiled_step or self._static_step_logits
-        return step(tokens, k_cache, v_cache, lengths)
-
-    def _static_step_logits(
-        self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
         hidden = self.backbone.static_forward(self.embed_speech(tokens), k_cache, v_cache, lengths)
         return self.speech_logits(hidden).float()
 
@@ -102,13 +104,14 @@ class CachedSpeechLM(nn.Module):
         mode="reduce-overhead" on CUDA each is replayed as a CUDA graph (docs/gpu.md). Prefill stays
         eager. Caches made before this call keep the eager path. Returns self."""
         self.backbone.static_step = True
+        # Every compiled model shares the one code object of _static_step_logits, and dynamo's default
+        # of 8 graphs per code object would be spent by a target's and a draft's block lengths alone.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         options = {"mode": mode} if backend == "inductor" else {}
         self._compiled_step = torch.compile(
             self._static_step_logits, fullgraph=fullgraph, dynamic=False, backend=backend, **options
         )
         return self
-
-    _compiled_step: Any = None
 
     def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
         cache.rollback(n)

@@ -158,8 +158,10 @@ class KVCache:
     fixed at creation and its steps and rollbacks never read a value back to the host.
     """
 
-    k: torch.Tensor  # [n_layers, B, n_kv_heads, capacity, head_dim]
-    v: torch.Tensor
+    # One tensor per layer, [B, n_kv_heads, capacity, head_dim]: per-layer tensors (not one stacked
+    # buffer) let inductor write the static step's new entries in place instead of copying the layer.
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
     lengths: torch.Tensor  # LongTensor [B]: positions 0..lengths[b]-1 of row b are valid
     prompt_lengths: torch.Tensor  # LongTensor [B]: rollback never goes below these
     static: bool = False
@@ -167,7 +169,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def ensure_capacity(self, needed: int) -> None:
         """Grow the buffers (rare: only when a caller extends past what prefill reserved)."""
@@ -179,13 +181,12 @@ class KVCache:
                 "reserve the room at prefill (max_new_tokens)"
             )
         new_capacity = max(needed, self.capacity + 64)
-        shape = list(self.k.shape)
-        shape[3] = new_capacity
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(shape)
-            new[:, :, :, : old.shape[3]] = old
-            setattr(self, name, new)
+        for layers in (self.k, self.v):
+            for i, old in enumerate(layers):
+                shape = list(old.shape)
+                shape[2] = new_capacity
+                layers[i] = old.new_zeros(shape)
+                layers[i][:, :, : old.shape[2]] = old
 
     def rollback(self, n: torch.Tensor | int) -> None:
         """Forget the last n positions of each row (n: int or LongTensor [B])."""
@@ -282,7 +283,7 @@ class Backbone(nn.Module):
         # prefix; cheaper on CPU), True = static (full-capacity attention with a length mask, no host
         # sync, capturable by CUDA graphs). It decides what new_cache makes; each cache keeps its path.
         self.static_step = False
-        self._static_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._static_buffers: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
 
     def init_rope(self, device: Any = None) -> None:
         """(Re)compute the RoPE frequencies: a non-persistent buffer, so a model built on the meta
@@ -343,31 +344,26 @@ class Backbone(nn.Module):
         dtype = dtype or weight.dtype
         device = torch.device(device or weight.device)
         zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+        def allocate(capacity: int) -> list[torch.Tensor]:
+            shape = (batch_size, c.num_kv_heads, capacity, c.head_dim)
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+
         if not self.static_step:
-            shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
-            k, v = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+            return KVCache(
+                k=allocate(capacity), v=allocate(capacity), lengths=zeros, prompt_lengths=zeros.clone()
             )
-            return KVCache(k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone())
         capacity = max(STATIC_MIN_CAPACITY, 1 << (max(capacity, 1) - 1).bit_length())
-        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
-        key = (shape, dtype, device)
+        key = (batch_size, capacity, dtype, device)
         if key in self._static_buffers:
             k, v, generation = self._static_buffers[key]
-            # Stale keys are masked out, but a non-finite stale value would still poison 0 * v.
-            k.zero_()
-            v.zero_()
+            for t in (*k, *v):  # stale keys are masked out, but a non-finite stale value would poison 0 * v
+                t.zero_()
             generation += 1
         else:
-            k, v = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            generation = 0
-            # The step mutates these in place; static addresses let CUDA graphs write them directly.
-            torch._dynamo.mark_static_address(k)
-            torch._dynamo.mark_static_address(v)
+            k, v, generation = allocate(capacity), allocate(capacity), 0
+            for t in (*k, *v):  # the step mutates these in place; static addresses let CUDA graphs do so
+                torch._dynamo.mark_static_address(t)
         self._static_buffers[key] = (k, v, generation)
         return KVCache(
             k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone(), static=True, generation=generation
@@ -394,7 +390,8 @@ class Backbone(nn.Module):
     def check_static_cache(self, cache: KVCache, k: int) -> None:
         """A static step's preconditions, without a host sync: the cache is the current one of its
         buffers, and k more positions fit (on CUDA a device-side assert, surfacing at the next sync)."""
-        key = (tuple(cache.k.shape), cache.k.dtype, cache.k.device)
+        first = cache.k[0]
+        key = (first.shape[0], first.shape[2], first.dtype, first.device)
         current = self._static_buffers.get(key)
         if current is None or current[0] is not cache.k or current[2] != cache.generation:
             raise RuntimeError(
@@ -408,23 +405,29 @@ class Backbone(nn.Module):
         )
 
     def static_forward(
-        self, inputs_embeds: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+        self,
+        inputs_embeds: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        lengths: torch.Tensor,
     ) -> torch.Tensor:
         """The static step: no Python-int slicing and no host sync, fixed shapes for a given block
         length (so torch.compile with CUDA graphs can capture it). Row b's block goes to positions
-        lengths[b] + j by scatter; attention runs over the whole capacity with a mask built from
-        lengths. The caller advances lengths (stale entries past them stay masked)."""
+        lengths[b] + j by indexed assignment (in place under inductor); attention runs over the whole
+        capacity with a mask built from lengths. The caller advances lengths (stale entries past them
+        stay masked)."""
         b, k, _ = inputs_embeds.shape
-        capacity = k_cache.shape[3]
+        capacity = k_cache[0].shape[2]
         device = inputs_embeds.device
         positions = lengths[:, None] + torch.arange(k, device=device)  # [B, k]
         mask = (torch.arange(capacity, device=device) <= positions[..., None])[:, None]  # [B, 1, k, C]
-        index = positions[:, None, :, None].expand(b, k_cache.shape[2], k, k_cache.shape[4])
+        rows = torch.arange(b, device=device)[:, None]
 
         def kv_write_at(layer: int):
             def write(key, value):
-                k_cache[layer].scatter_(2, index, key)
-                v_cache[layer].scatter_(2, index, value)
+                # key [B, n_kv, k, D] -> indexed target [B, k, n_kv, D]
+                k_cache[layer][rows, :, positions] = key.transpose(1, 2)
+                v_cache[layer][rows, :, positions] = value.transpose(1, 2)
                 return k_cache[layer], v_cache[layer]
 
             return write
