@@ -409,8 +409,6 @@ def main(argv=None) -> int:
                     "dtype": args.dtype, "compile": f"compiled ({args.compile_backend}, {args.compile_mode})" if args.compile == "on" else "eager"}  # fmt: skip
     budget = {name: share * args.budget for name, share in STAGE_SHARES.items()}
 
-    # One graph per (model, batch, block length, cache capacity): this check visits about twenty.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     target, draft = bench.build_models(shape, args.device, getattr(torch, args.dtype))
     targets = {args.dtype: target}
     for dtype_name in args.dtypes:
