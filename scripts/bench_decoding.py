@@ -597,7 +597,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--alphas", default="0.6,0.7,0.8", help="SYNTHETIC acceptance rates")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (fastest kept)")
-    parser.add_argument("--baseline-engine", default="main",
+    # ccda55e: the engine before per-row random streams and on-device statistics.
+    parser.add_argument("--baseline-engine", default="ccda55e",
                         help="git revision whose ssd/decoding is counted for host syncs too ('' to skip)")  # fmt: skip
     parser.add_argument(
         "--verify-rows", type=int, help="also run the engine with verify calls padded to this many rows"
