@@ -587,7 +587,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--quick", action="store_true", help="smoke run: few tokens, one repeat, L_d 1-2, batch 1-2"
     )
     parser.add_argument(
-        "--out", type=Path, required=True, help="directory for results.json, results.md, speedup.png"
+        "--out",
+        type=Path,
+        default=REPO / "experiments" / "results" / "bench_decoding",
+        help="directory for results.json, results.md, speedup.png",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
