@@ -1,14 +1,16 @@
 """One-shot GPU check of the decoding engine: correctness first, then timings at CosyVoice 2's shape.
 
 Stages (each stops at its share of --budget seconds and says what it skipped):
-  correctness  compiled == eager logits (decode(1) and verify(k+1)) within tolerance, greedy tokens of a
-               compiled decode identical to eager, same-weights check against HF, and a chi-square of
-               speculative (exact rule) vs AR token tuples, with a negative control (β = 1) that must fail;
-  kernels      eager vs compiled decode(1) and verify(k+1), float32 and bfloat16;
-  decoding     HF generate vs this engine's AR; AR vs speculative under SYNTHETIC α (fixed acceptance:
-               random weights make real α meaningless), L_d 1-6, with the speedup predicted from α, c, v;
-  batch        tokens/s at batch 1, 4, 8 (AR and speculative);
-  syncs        host syncs per round (torch-function counter and CUDA's sync debug mode).
+  eager       reference logits of decode(1) and verify(4), greedy tokens (float32), same weights as HF,
+              eager per-call costs, for a float32 and a bfloat16 target;
+  compiled    compile_decoding once per target: logits within tolerance of eager, greedy tokens identical
+              (float32), compiled per-call costs decode(1) and verify(k+1);
+  exactness   chi-square of speculative (exact rule) vs AR token tuples, with a negative control (β = 1)
+              that must fail;
+  decoding    HF generate vs this engine's AR; AR vs speculative under SYNTHETIC α (fixed acceptance:
+              random weights make real α meaningless), L_d 1-6, with the speedup predicted from α, c, v;
+  batch       tokens/s at batch 1, 4, 8 (AR and speculative);
+  syncs       host syncs per round (torch-function counter and CUDA's sync debug mode).
 Writes results.json and summary.md to --out (default experiments/results/gpu_engine/); exit code 1 when a
 correctness check fails, 2 when there is no CUDA device (unless --device cpu --quick, which runs the same
 code at a tiny shape on CPU for tests).
