@@ -273,10 +273,16 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
 
 
 def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
+    """The torch-function counter runs on small uncompiled models of the static cache path (what the
+    decode loop asks of the host does not depend on the model's size, and a compiled step is device-only
+    by construction, fullgraph=True); CUDA's sync debug mode then watches the compiled models decode."""
     prompt = bench.make_prompt(shape, args.context)
-    stage.report["torch-function counter"] = bench.syncs_per_round(
-        bench.engine, target, draft, prompt, args.sync_tokens, 3
-    )
+    small_target, small_draft = bench.build_models(bench.SHAPES["tiny"], args.device, torch.float32)
+    small_prompt = bench.make_prompt(bench.SHAPES["tiny"], args.context)
+    with bench.static_cache_path(small_target, small_draft):
+        stage.report["torch-function counter"] = bench.syncs_per_round(
+            bench.engine, small_target, small_draft, small_prompt, args.sync_tokens, 3
+        )
     if torch.device(args.device).type == "cuda":
         # CUDA's own view: every synchronising call warns once in this mode.
         torch.cuda.set_sync_debug_mode("warn")
@@ -396,8 +402,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if torch.device(args.device).type != "cuda":
         args.dtype = "float32"  # bf16 on CPUs without bf16 instructions is slow and says nothing
     args.chi_rows = 2000 if args.quick else 10000
-    # Decodes of n and 2n tokens whose caches keep the decodes' capacity (512 at context 200), so that
-    # counting syncs replays the compiled graphs instead of compiling new ones.
+    # A decode whose caches keep the decodes' capacity (512 at context 200), so that watching the compiled
+    # models replays their graphs instead of compiling new ones.
     args.sync_tokens = args.tokens if args.quick else 60
     return args
 
