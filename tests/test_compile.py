@@ -193,3 +193,36 @@ def test_cuda_graph_decode_equals_eager(tiny_cosyvoice2_dir):
         decode_ar(eager, prompt, greedy, max_len=16).tokens
         == decode_ar(compiled, prompt, greedy, max_len=16).tokens
     )
+
+
+@pytest.mark.slow  # two inductor compiles
+def test_inductor_writes_the_static_cache_in_place():
+    """A step must write its k new entries, not copy the layer cache (a copy per step and layer would
+    dominate a GPU step at long contexts). Detected in inductor's generated code: no loop spans a whole
+    layer buffer. Control: a scatter into a slice of one stacked buffer, which inductor does copy."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ssd.models.transformer import Backbone, BackboneConfig
+
+    config = BackboneConfig("qwen2", 50, 32, 48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    model = Backbone(config).eval()
+    model.static_step = True
+    with torch.no_grad():
+        cache = model.new_cache(2, 1000)
+        layer_numel = cache.k[0].numel()  # 2 x 2 x 1024 x 8
+        step = torch.compile(model.static_forward, fullgraph=True, dynamic=False)
+        _, code = run_and_get_code(step, torch.randn(2, 1, 32), cache.k, cache.v, cache.lengths)
+        code = "\n".join(code)
+        assert "def call(" in code and f"{layer_numel}L" not in code
+
+        def stacked_scatter(buffer, positions, value):
+            index = positions[:, None, :, None].expand(2, 2, 1, 8)
+            buffer[0].scatter_(2, index, value)
+            return value * 2
+
+        stacked = torch.zeros(2, *cache.k[0].shape)
+        _, control = run_and_get_code(
+            torch.compile(stacked_scatter, fullgraph=True, dynamic=False),
+            stacked, torch.tensor([[3], [5]]), torch.ones(2, 2, 1, 8),
+        )  # fmt: skip
+        assert f"{layer_numel}L" in "\n".join(control)
