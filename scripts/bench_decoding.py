@@ -280,6 +280,13 @@ def best_decode(fn, repeats: int):
     return best.stats.time_total, best
 
 
+def decode_room(tokens: int, max_draft_len: int, verify_rows: int | None = None) -> int:
+    """Cache positions a speculative decode of `tokens` tokens reserves after the prompt (as
+    decode_speculative computes it). Timing extend() with this room gives the cache the decodes' capacity,
+    so a compiled step times the graphs the decodes replay."""
+    return 2 * tokens + max(max_draft_len + 1, verify_rows or 0) + 1
+
+
 def step_costs(model, prompt, blocks, device, repeats, room: int | None = None) -> dict[int, float]:
     """Seconds per extend() of each block size (then rolled back), at the prompt's context length.
     room: cache positions reserved after the prompt (a compiled step has one graph per cache capacity:
@@ -369,18 +376,6 @@ def bench_shape(name: str, args, log=print) -> dict:
     res: dict = {"shape": name, "architecture": vars(shape) | {"vocab": target.vocab_size}, "context": args.context,
                  "tokens": tokens, "device": device, "dtype": args.dtype}  # fmt: skip
 
-    log(f"[{name}] per-call costs")
-    blocks = sorted({1, *(k + 1 for k in draft_lens), *([args.verify_rows] if args.verify_rows else [])})
-    t_cost = step_costs(target, prompt, blocks, device, max(3, 3 * repeats))
-    d_cost = step_costs(draft, prompt, [1], device, max(3, 3 * repeats))
-    c = d_cost[1] / t_cost[1]
-    res["costs"] = {"target_ms": {k: 1e3 * v for k, v in t_cost.items()}, "draft_decode_ms": 1e3 * d_cost[1],
-                    "c": c, "v": {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}}  # fmt: skip
-
-    log(f"[{name}] sampler cost")
-    rows = sorted({b * m for b in batches for m in (1, *(k + 1 for k in draft_lens))})
-    res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
-
     log(f"[{name}] host syncs per round")
     res["syncs"] = {"this engine": syncs_per_round(engine, target, draft, prompt, min(tokens, 24), 3)}
     if hasattr(target.backbone, "static_step"):  # the cache path a compiled step uses, here without compiling
@@ -396,6 +391,25 @@ def bench_shape(name: str, args, log=print) -> dict:
             )
         except Exception as err:  # the baseline is informative, never a reason to lose the run
             res["syncs"][f"{args.baseline_engine}"] = {"error": f"{type(err).__name__}: {err}"}
+
+    if args.compile:  # after the sync count: a function mode over a compiled step would recompile it
+        log(f"[{name}] compiling the decode steps (mode {args.compile_mode})")
+        target.compile_decoding(mode=args.compile_mode)
+        draft.compile_decoding(mode=args.compile_mode)
+    res["engine"] = f"compiled ({args.compile_mode})" if args.compile else "eager"
+
+    log(f"[{name}] per-call costs")
+    blocks = sorted({1, *(k + 1 for k in draft_lens), *([args.verify_rows] if args.verify_rows else [])})
+    room = decode_room(tokens, max(draft_lens), args.verify_rows)
+    t_cost = step_costs(target, prompt, blocks, device, max(3, 3 * repeats), room)
+    d_cost = step_costs(draft, prompt, [1], device, max(3, 3 * repeats), room)
+    c = d_cost[1] / t_cost[1]
+    res["costs"] = {"target_ms": {k: 1e3 * v for k, v in t_cost.items()}, "draft_decode_ms": 1e3 * d_cost[1],
+                    "c": c, "v": {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}}  # fmt: skip
+
+    log(f"[{name}] sampler cost")
+    rows = sorted({b * m for b in batches for m in (1, *(k + 1 for k in draft_lens))})
+    res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
 
     log(f"[{name}] AR: this engine vs HF generate")
     ar_s, _ = best_decode(
@@ -492,7 +506,8 @@ def markdown(results: dict) -> str:
         a, cost = res["architecture"], res["costs"]
         out.append(f"\n## {res['shape']}: hidden {a['hidden']}, {a['layers']} layers, {a['heads']}/{a['kv_heads']} "
                    f"heads, ff {a['intermediate']}, V = {a['vocab']}; draft layers {list(a['draft_layers'])}; "
-                   f"context {res['context']}, {res['tokens']} tokens, {res['dtype']} on {res['device']}")  # fmt: skip
+                   f"context {res['context']}, {res['tokens']} tokens, {res['dtype']} on {res['device']}, "
+                   f"engine {res['engine']}")  # fmt: skip
         out.append("\n### Per-call cost\n")
         out.append(_table(["call", "ms", "ratio to target decode(1)"],
                           [[f"target {'decode(1)' if k == 1 else f'verify({k})'}", _f(ms), _f(ms / cost['target_ms'][1])]
@@ -606,6 +621,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--verify-rows", type=int, help="also run the engine with verify calls padded to this many rows"
     )
+    parser.add_argument("--compile", action="store_true",
+                        help="time the engine with its compiled decode step (compile_decoding; CUDA)")  # fmt: skip
+    parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode for --compile")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate / assisted rows")
     args = parser.parse_args(argv)

@@ -133,10 +133,7 @@ def exactness(device: str, rows: int) -> dict:
 
 
 def decode_room(args) -> int:
-    """Positions the speculative decodes reserve after the prompt (as decode_speculative computes it), so
-    that the per-call timings and the compiled-vs-eager checks use the same cache capacity, hence the same
-    compiled graphs, as the decodes."""
-    return 2 * args.tokens + max(args.draft_lens) + 2
+    return bench.decode_room(args.tokens, max(args.draft_lens))
 
 
 def blocks_of(args, dtype_name: str) -> list[int]:
