@@ -26,7 +26,10 @@ toy:  ## build the toy world (corpus, codec, token shards, toy target, toy draft
 reproduce-toy:  ## every paper table/figure on the toy world into experiments/results/ (after make toy)
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) scripts/reproduce.py all --out experiments/results
 
-bench:  ## decoding benchmark: AR vs speculative, per rule and draft length
-	$(PY) scripts/bench_decoding.py
+bench:  ## decoding benchmark (toy + CosyVoice 2 shapes): engine vs HF generate/assisted, AR vs speculative, syncs, batch
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decoding.py --shape both --out experiments/results/bench_decoding
 
-.PHONY: help install test test-slow lint toy reproduce-toy bench
+gpu-check:  ## one-shot CUDA check (< 8 min on an H200): compiled == eager, exactness, timings -> experiments/results/gpu_engine/
+	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py
+
+.PHONY: help install test test-slow lint toy reproduce-toy bench gpu-check

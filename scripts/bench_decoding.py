@@ -1,298 +1,657 @@
-"""Decoding benchmark: AR vs speculative decoding per rule and draft length, in one run.
+"""Decoding benchmark: this engine vs HF `generate` and HF assisted generation on the same weights,
+AR vs speculative per rule and draft length, in one run (docs/benchmarks.md explains every column).
 
-Prints (never asserts) measured figures side by side:
-  * per-call costs: target decode(1), target verify(k+1 rows), draft decode(1);
-    c = draft/target step cost, v_k = verify(k+1)/decode(1);
-  * AR tokens/s of this engine vs HF `generate` on the same weights;
-  * per rule and L_d: tokens/s, LM time, alpha per position, tokens per target call,
-    measured speedup vs AR and the speedup predicted from the measured alpha, c and v
-    (docs/algorithms.md §1.4 with the verify cost measured instead of assumed = 1).
+Per shape (random weights; `--shape toy` is configs/target/toy.yaml's architecture, `cosyvoice2` is
+CosyVoice 2's LM, `tiny` is for smoke tests):
+  * per-call costs: target decode(1), verify(k+1), draft decode(1); c and v_k;
+  * per-step sampler cost (distribution + sample) at the shape's V for B and B·(L_d+1) rows;
+  * host syncs per round of a decode (TorchFunctionMode counter), this engine and a baseline revision;
+  * AR: this engine vs HF `generate` (Qwen2ForCausalLM holding the same tensors);
+  * speculative: this engine (exact rule) vs HF assisted generation (assistant = the draft's layers)
+    at each L_d, then this engine under SYNTHETIC α (fixed acceptance; random weights make real α
+    meaningless), each with the speedup predicted from α, c and v measured in this run;
+  * batch 1/4/8 throughput of the engine (AR and speculative) next to HF `generate`.
 
-Random weights are fine for timing; their acceptance is meaningless, so the `synthetic`
-rule (fixed alpha, labelled as such) sets the acceptance. Defaults: the docs/cpu-physics.md
-probe size (12 layers, hidden 512) with a draft of target layers [0, 1, 11].
+Every compared system generates exactly --tokens tokens per row (no stop tokens; HF gets
+min_new_tokens = max_new_tokens) under the same law (top-k 25, then top-p 0.8, HF's rule).
 
-    python scripts/bench_decoding.py                       # CPU, default sizes
-    python scripts/bench_decoding.py --preset cosyvoice2 --device cuda --dtype bfloat16
+    python scripts/bench_decoding.py --shape both --out experiments/results/bench_decoding
+    python scripts/bench_decoding.py --shape cosyvoice2 --device cuda --dtype bfloat16 --out /tmp/b
+    python scripts/bench_decoding.py --shape tiny --quick --out /tmp/smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import itertools
 import json
 import math
 import os
+import platform
+import subprocess
+import sys
+import tempfile
 import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from ssd.config import option_node  # noqa: E402
-from ssd.decoding.generate import decode_ar, decode_speculative  # noqa: E402
-from ssd.decoding.sampling import SamplingConfig  # noqa: E402
+from ssd.decoding import generate as engine  # noqa: E402
+from ssd.decoding.acceptance import ExactRule, SyntheticRule  # noqa: E402
+from ssd.decoding.rng import RowRandom  # noqa: E402
+from ssd.decoding.sampling import SamplingConfig, distribution, sample  # noqa: E402
+from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
 from ssd.models.draft import build_draft  # noqa: E402
 from ssd.models.transformer import BackboneConfig  # noqa: E402
 
-PRESETS = {
-    # docs/cpu-physics.md's probe size: 37 M parameters, memory-bound on 2 CPU cores.
-    "probe": dict(hidden=512, layers=12, heads=8, kv_heads=2, intermediate=1408, draft_layers="0,1,11"),
-    # CosyVoice 2's LM shape (docs/targets.md §2.1) with the SSD paper's 8-layer draft.
-    "cosyvoice2": dict(
-        hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, draft_layers="0,1,18,19,20,21,22,23"
-    ),
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    speech_tokens: int  # codec tokens; the head has 3 more (CosyVoice 2's stop ids)
+    draft_layers: tuple[int, ...]
+    text_vocab: int = 1000
+
+
+SHAPES = {
+    # configs/target/toy.yaml's architecture; draft = configs/draft/toy.yaml's layers [0, 1, last].
+    "toy": Shape(192, 6, 6, 2, 512, 1024, (0, 1, 5)),
+    # CosyVoice 2's LM (docs/targets.md §2.1) with the SSD paper's 8-layer draft (configs/draft/ssd_8layer.yaml).
+    "cosyvoice2": Shape(896, 24, 14, 2, 4864, 6561, (0, 1, 18, 19, 20, 21, 22, 23)),
+    # For smoke tests only: seconds on one CPU core.
+    "tiny": Shape(64, 2, 4, 2, 128, 61, (0,), text_vocab=50),
 }
 
+# The one law every compared system samples from: HF's top-k then top-p (what `generate` does with
+# top_k=25, top_p=0.8), no stop tokens, so every run emits exactly the requested number of tokens.
+LAW = SamplingConfig(top_k=25, top_p=0.8, nucleus="hf")
+# CosyVoice 2's own law (RAS): its sampler cost is reported next to LAW's.
+COSYVOICE_LAW = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10, ras_tau=0.1)
 
-def build_models(args) -> tuple[CosyVoice2LM, CosyVoice2LM]:
+
+# --- models ------------------------------------------------------------------------------------
+def build_models(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0, head_std: float = 0.02):
+    """A random CosyVoice 2-layout target and its layer-inheritance draft.
+
+    The speech head's bias is zero so that a bias-free HF lm_head holds exactly the same function."""
     config = BackboneConfig(
-        model_type="qwen2",
-        vocab_size=args.text_vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=True,
-    )
-    target = CosyVoice2LM(config, args.speech_tokens)
-    generator = torch.Generator().manual_seed(0)
+        model_type="qwen2", vocab_size=shape.text_vocab, hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate, num_layers=shape.layers, num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+    )  # fmt: skip
+    target = CosyVoice2LM(config, shape.speech_tokens)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         target.backbone.reset_parameters(generator, 0.02)
-        for module in (target.llm_embedding, target.speech_embedding, target.llm_decoder):
-            module.weight.normal_(0.0, 0.02, generator=generator)
-    target = target.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
-    target.backbone.init_rope(device=args.device)
-    draft = build_draft(target, [int(i) for i in args.draft_layers.split(",")])
-    return target, draft
+        target.llm_embedding.weight.normal_(0.0, 0.02, generator=generator)
+        target.speech_embedding.weight.normal_(0.0, 0.02, generator=generator)
+        target.llm_decoder.weight.normal_(0.0, head_std, generator=generator)
+        target.llm_decoder.bias.zero_()
+    target = target.to(device=device, dtype=dtype).eval()
+    target.backbone.init_rope(device=device)
+    return target, build_draft(target, shape.draft_layers)
 
 
-def make_prompt(args) -> CosyVoice2Prompt:
-    g = torch.Generator().manual_seed(1)
-    text = torch.randint(0, args.text_vocab, (args.prompt_text,), generator=g).tolist()
-    speech = torch.randint(
-        0, args.speech_tokens, (args.prompt_len - args.prompt_text - 2,), generator=g
-    ).tolist()
-    return CosyVoice2Prompt(text_ids=[text], speech_ids=[speech], target_text_lens=[len(text)])
+def make_prompt(shape: Shape, context: int, batch: int = 1, seed: int = 1) -> CosyVoice2Prompt:
+    """A prompt of `context` positions (sos + text + task_id + prompt speech), the same for every row."""
+    g = torch.Generator().manual_seed(seed)
+    n_text = max(1, min(40, context // 5))
+    text = torch.randint(0, shape.text_vocab, (n_text,), generator=g)
+    speech = torch.randint(0, shape.speech_tokens, (context - n_text - 2,), generator=g)
+    return CosyVoice2Prompt([text] * batch, [speech] * batch, [n_text] * batch)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
+def hf_causal_lm(model: CosyVoice2LM):
+    """transformers' Qwen2ForCausalLM over the speech vocabulary holding `model`'s own tensors:
+    embed_tokens = the speech embedding, lm_head = the speech head (bias zero, see build_models)."""
+    from transformers import Qwen2ForCausalLM
+
+    if bool(model.llm_decoder.bias.detach().abs().max() > 0):
+        raise ValueError("hf_causal_lm: the speech head has a bias, which Qwen2ForCausalLM's lm_head lacks")
+    hf_config = model.backbone.config.to_hf()
+    hf_config.vocab_size = model.vocab_size
+    hf_config.tie_word_embeddings = False  # speech embedding and speech head are different tensors
+    hf_config._attn_implementation = "sdpa"
+    with torch.device(model.device):  # initialising 0.5 B parameters is quicker on the GPU
+        hf = Qwen2ForCausalLM(hf_config).to(dtype=model.dtype).eval()
+    state = {f"model.{k}": v for k, v in model.backbone.state_dict().items() if k != "embed_tokens.weight"}
+    state["model.embed_tokens.weight"] = model.speech_embedding.weight
+    state["lm_head.weight"] = model.llm_decoder.weight
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+def hf_logits_match(target: CosyVoice2LM, hf, prompt) -> float:
+    """Max |logit difference| between this engine's prefill and HF's forward on the same input embeddings
+    (evidence that the two hold the same weights; ~1e-5 in float32)."""
+    with torch.no_grad():
+        embeds, _ = target.embed_prompt(prompt)
+        ours = target.prefill(prompt, 1)[1]
+        theirs = hf(inputs_embeds=embeds).logits[:, -1].float()
+    return float((ours - theirs).abs().max())
+
+
+# --- measuring ---------------------------------------------------------------------------------
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-def time_call(fn, device: str, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs (after one warm-up)."""
+def median_seconds(fn, device, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def step_costs(model, prompt, args, block_sizes) -> dict[int, float]:
-    """Seconds per extend() of each block size at the prompt's context length."""
-    cache, _ = model.prefill(prompt, max(block_sizes) + 8)
+class HostSyncCounter(TorchFunctionMode):
+    """Counts the torch calls that make the host wait for the device: reading a value (item, tolist,
+    bool/int/float/index of a tensor, cpu, numpy) or an op whose output shape depends on the data
+    (nonzero, one-argument where, masked_select, unique, indexing with a boolean mask).
+
+    It sees what Python calls through torch's API (torch function overrides), so it counts the same
+    on CPU and GPU; syncs inside a single C++ kernel launch are not visible to it."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+    DATA_SHAPED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.READS or name in self.DATA_SHAPED:
+            self.calls[name] += 1
+        elif name == "where" and len(args) + len(kwargs) == 1:
+            self.calls["where(cond)"] += 1
+        elif name in ("__getitem__", "__setitem__") and _has_bool_index(args[1] if len(args) > 1 else None):
+            self.calls[f"{name}[bool mask]"] += 1
+        return func(*args, **kwargs)
+
+
+def _has_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+@contextmanager
+def static_cache_path(*models):
+    """Caches made inside are static (Backbone.static_step: fixed capacity, no host reads per step)."""
+    backbones = [getattr(m, "model", m).backbone for m in models]
+    before = [b.static_step for b in backbones]
+    for b in backbones:
+        b.static_step = True
+    try:
+        yield
+    finally:
+        for b, flag in zip(backbones, before):
+            b.static_step = flag
+
+
+def engine_at(rev: str):
+    """The decoding engine (ssd/decoding/*.py) as it was at git revision `rev`, importable beside this one
+    (its own imports of ssd.decoding point at the copies). Models and configs stay the current ones."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *cmd], check=True, capture_output=True, text=True
+        ).stdout
+
+    commit = git("rev-parse", "--short", rev).strip()
+    package = f"engine_{commit}"
+    root = Path(tempfile.mkdtemp(prefix="ssd_engine_"))
+    (root / package).mkdir()
+    for name in git("ls-tree", "--name-only", f"{rev}:ssd/decoding").split():
+        if name.endswith(".py"):
+            source = git("show", f"{rev}:ssd/decoding/{name}").replace("ssd.decoding.", f"{package}.")
+            (root / package / name).write_text(source)
+    sys.path.insert(0, str(root))
+    return importlib.import_module(f"{package}.generate"), commit
+
+
+def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_len: int) -> dict:
+    """Host syncs of AR and speculative (exact rule) decoding with `generate_module`, split into a cost per
+    round and a fixed cost per decode: two decodes of `tokens` and 2·`tokens` tokens give the slope and
+    the intercept. AR's round is one token. torch's global RNG (generator None), which engines before
+    per-row streams took as well."""
+    # Without the β_t / TV bookkeeping where the engine can skip it, as a deployment decodes.
+    parameters = inspect.signature(generate_module.decode_speculative).parameters
+    deployment = {"diagnostics": False} if "diagnostics" in parameters else {}
+    # The rule of the same revision (rules' attributes change with the engine).
+    exact_rule = importlib.import_module(generate_module.__name__.rsplit(".", 1)[0] + ".acceptance").ExactRule
+    out = {}
+    for mode in ("ar", "speculative"):
+        counts = []
+        for n in (tokens, 2 * tokens):
+            with HostSyncCounter() as counter:
+                if mode == "ar":
+                    generate_module.decode_ar(target, prompt, LAW, max_len=n)
+                    rounds = n
+                else:
+                    rounds = generate_module.decode_speculative(
+                        target, draft, prompt, LAW, exact_rule(), draft_len=draft_len, max_len=n, **deployment
+                    ).stats.rounds  # fmt: skip
+            counts.append((rounds, counter.total, dict(counter.calls.most_common())))
+        (r1, s1, _), (r2, s2, by_call) = counts
+        per_round = (s2 - s1) / max(1, r2 - r1)
+        out[mode] = {"per_round": per_round, "per_decode": s2 - per_round * r2, "rounds": r2, "syncs": s2,
+                     "by_call": by_call}  # fmt: skip
+    return out
+
+
+def _generator(device, seed: int = 0) -> torch.Generator:
+    """The seed of a decode's per-row random streams (the engine draws them on `device` from it)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def best_decode(fn, repeats: int):
+    """(seconds, result) of the fastest of `repeats` runs after a warm-up; seconds = the engine's own clock."""
+    fn()
+    runs = [fn() for _ in range(repeats)]
+    best = min(runs, key=lambda r: r.stats.time_total)
+    return best.stats.time_total, best
+
+
+def decode_room(tokens: int, max_draft_len: int, verify_rows: int | None = None) -> int:
+    """Cache positions a speculative decode of `tokens` tokens reserves after the prompt (as
+    decode_speculative computes it). Timing extend() with this room gives the cache the decodes' capacity,
+    so a compiled step times the graphs the decodes replay."""
+    return 2 * tokens + max(max_draft_len + 1, verify_rows or 0) + 1
+
+
+def step_costs(model, prompt, blocks, device, repeats, room: int | None = None) -> dict[int, float]:
+    """Seconds per extend() of each block size (then rolled back), at the prompt's context length.
+    room: cache positions reserved after the prompt (a compiled step has one graph per cache capacity:
+    pass the decodes' room to time the graphs they replay)."""
+    cache, _ = model.prefill(prompt, room or max(blocks) + 8)
     costs = {}
-    for k in block_sizes:
-        tokens = torch.randint(0, args.speech_tokens, (1, k), device=args.device)
+    for k in blocks:
+        tokens = torch.zeros(prompt.batch_size, k, dtype=torch.long, device=device)
 
         def call(tokens=tokens, k=k):
             model.extend(cache, tokens)
             model.rollback(cache, k)
 
-        costs[k] = time_call(call, args.device, args.repeats)
+        costs[k] = median_seconds(call, device, repeats)
     return costs
 
 
-def hf_generate_tokens_per_s(target: CosyVoice2LM, prompt, args, sampling: SamplingConfig) -> float:
-    """HF `generate` on the same weights (Qwen2ForCausalLM over the speech vocabulary)."""
-    from transformers import Qwen2ForCausalLM
+def sampler_costs(vocab: int, rows: list[int], device, repeats: int) -> list[dict]:
+    """Seconds per distribution() + sample() over `rows` rows of random logits, for both laws."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for law_name, law in (("top-k/top-p", LAW), ("cosyvoice RAS", COSYVOICE_LAW)):
+        for n in rows:
+            logits = torch.randn(n, vocab, generator=g).to(device)
+            window = torch.randint(0, vocab, (n, law.window), generator=g).to(device)
+            step = torch.full((n,), 5, device=device)
+            streams = RowRandom(range(n), device)  # made once per decode by the engine, not per step
 
-    hf_config = target.backbone.config.to_hf()
-    hf_config.vocab_size = target.vocab_size
-    hf = Qwen2ForCausalLM(hf_config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
-    state = {
-        f"model.{k}": v for k, v in target.backbone.state_dict().items() if not k.startswith("embed_tokens")
-    }
-    state["model.embed_tokens.weight"] = target.speech_embedding.weight
-    state["lm_head.weight"] = target.llm_decoder.weight
-    missing, _ = hf.load_state_dict(state, strict=False)
-    assert not [m for m in missing if "rotary" not in m], missing
-    embeds, _ = target.embed_prompt(prompt)
+            def call(logits=logits, window=window, step=step, law=law, streams=streams):
+                sample(distribution(law, logits, window, step, 0), streams)
+
+            out.append({"law": law_name, "rows": n, "ms": 1e3 * median_seconds(call, device, repeats)})
+    return out
+
+
+def hf_generate_seconds(
+    hf, input_ids, tokens: int, device, repeats: int, assistant=None
+) -> tuple[float, int]:
+    """(median seconds, target forward calls of the last run) of HF generate for exactly `tokens` new tokens."""
+    calls = [0]
+    hook = hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     kwargs = dict(
-        inputs_embeds=embeds,
-        attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=args.device),
-        max_new_tokens=args.tokens,
-        min_new_tokens=args.tokens,
-        do_sample=True,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        pad_token_id=0,
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=tokens,
+        min_new_tokens=tokens, do_sample=True, top_k=LAW.top_k, top_p=LAW.top_p, temperature=1.0,
+        pad_token_id=0, eos_token_id=None, assistant_model=assistant,
+    )  # fmt: skip
+    try:
+        with torch.no_grad():
+
+            def call():
+                calls[0] = 0
+                out = hf.generate(**kwargs)
+                if out.shape[1] - input_ids.shape[1] != tokens:
+                    raise RuntimeError(
+                        f"HF generate emitted {out.shape[1] - input_ids.shape[1]} tokens, not {tokens}"
+                    )
+
+            seconds = median_seconds(call, device, repeats)
+    finally:
+        hook.remove()
+    return seconds, calls[0]
+
+
+def pin_assistant(assistant, draft_len: int | None) -> None:
+    """HF's draft length: transformers 5.x defaults to up to 20 tokens per round, stopping early once the
+    assistant's probability of its own token falls below assistant_confidence_threshold (0.4, re-tuned
+    each round when scikit-learn is installed). draft_len pins it to exactly draft_len tokens a round;
+    None restores those defaults."""
+    config = assistant.generation_config
+    if draft_len is None:
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
+        config.assistant_confidence_threshold = 0.4
+    else:
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = draft_len, "constant"
+        config.assistant_confidence_threshold = 0.0
+
+
+# --- one shape ---------------------------------------------------------------------------------
+def bench_shape(name: str, args, log=print) -> dict:
+    shape = SHAPES[name]
+    device, dtype, tokens, repeats = args.device, getattr(torch, args.dtype), args.tokens, args.repeats
+    draft_lens = [int(k) for k in args.draft_lens.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    alphas = [float(a) for a in args.alphas.split(",")]
+    target, draft = build_models(shape, device, dtype)
+    prompt = make_prompt(shape, args.context)
+    res: dict = {"shape": name, "architecture": vars(shape) | {"vocab": target.vocab_size}, "context": args.context,
+                 "tokens": tokens, "device": device, "dtype": args.dtype}  # fmt: skip
+
+    log(f"[{name}] host syncs per round")
+    res["syncs"] = {"this engine": syncs_per_round(engine, target, draft, prompt, min(tokens, 24), 3)}
+    if hasattr(target.backbone, "static_step"):  # the cache path a compiled step uses, here without compiling
+        with static_cache_path(target, draft):
+            res["syncs"]["this engine, static cache path"] = syncs_per_round(
+                engine, target, draft, prompt, min(tokens, 24), 3
+            )
+    if args.baseline_engine:
+        try:
+            old, commit = engine_at(args.baseline_engine)
+            res["syncs"][f"{args.baseline_engine} ({commit})"] = syncs_per_round(
+                old, target, draft, prompt, min(tokens, 24), 3
+            )
+        except Exception as err:  # the baseline is informative, never a reason to lose the run
+            res["syncs"][f"{args.baseline_engine}"] = {"error": f"{type(err).__name__}: {err}"}
+
+    if args.compile:  # after the sync count: a function mode over a compiled step would recompile it
+        log(f"[{name}] compiling the decode steps (mode {args.compile_mode})")
+        target.compile_decoding(mode=args.compile_mode)
+        draft.compile_decoding(mode=args.compile_mode)
+    res["engine"] = f"compiled ({args.compile_mode})" if args.compile else "eager"
+
+    log(f"[{name}] per-call costs")
+    blocks = sorted({1, *(k + 1 for k in draft_lens), *([args.verify_rows] if args.verify_rows else [])})
+    room = decode_room(tokens, max(draft_lens), args.verify_rows)
+    t_cost = step_costs(target, prompt, blocks, device, max(3, 3 * repeats), room)
+    d_cost = step_costs(draft, prompt, [1], device, max(3, 3 * repeats), room)
+    c = d_cost[1] / t_cost[1]
+    res["costs"] = {"target_ms": {k: 1e3 * v for k, v in t_cost.items()}, "draft_decode_ms": 1e3 * d_cost[1],
+                    "c": c, "v": {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}}  # fmt: skip
+
+    log(f"[{name}] sampler cost")
+    rows = sorted({b * m for b in batches for m in (1, *(k + 1 for k in draft_lens))})
+    res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
+
+    log(f"[{name}] AR: this engine vs HF generate")
+    ar_s, _ = best_decode(
+        lambda: engine.decode_ar(target, prompt, LAW, max_len=tokens, generator=_generator(device)), repeats
     )
-    with torch.no_grad():
-        seconds = time_call(lambda: hf.generate(**kwargs), args.device, 1)
-    return args.tokens / seconds
+    res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s}
+    hf = hf_draft = None
+    if not args.no_hf:
+        hf, hf_draft = hf_causal_lm(target), hf_causal_lm(draft.model)
+        res["ar"]["hf_max_abs_logit_diff"] = hf_logits_match(target, hf, prompt)
+        input_ids = torch.randint(
+            0, shape.speech_tokens, (1, args.context), generator=torch.Generator().manual_seed(1)
+        )
+        input_ids = input_ids.to(device)
+        hf_s, _ = hf_generate_seconds(hf, input_ids, tokens, device, repeats)
+        res["ar"] |= {"hf_tokens_per_s": tokens / hf_s, "hf_s": hf_s}
+
+    log(f"[{name}] speculative: exact rule vs HF assisted; synthetic α")
+    runs = []
+    rules = [("exact (random-weight α)", ExactRule())] + [
+        (f"SYNTHETIC α={a}", SyntheticRule(a)) for a in alphas
+    ]
+    paddings = [None, args.verify_rows] if args.verify_rows else [None]
+    for label, rule in rules:
+        for k, rows in itertools.product(draft_lens, paddings):
+            if rows is not None and rows <= k + 1:
+                continue
+            seconds, result = best_decode(
+                lambda rule=rule, k=k, rows=rows: engine.decode_speculative(
+                    target, draft, prompt, LAW, rule, draft_len=k, max_len=tokens, generator=_generator(device),
+                    verify_rows=rows, diagnostics=False,
+                ),
+                repeats,
+            )  # fmt: skip
+            alpha = result.stats.acceptance_rate
+            predicted = expected_tokens_per_round(alpha, k) / (k * c + t_cost[rows or k + 1] / t_cost[1])
+            runs.append({"system": "engine", "rule": label, "draft_len": k if rows is None else f"{k} (verify {rows} rows)",
+                         "tokens_per_s": tokens / seconds, "speedup": ar_s / seconds, "predicted": predicted,
+                         "alpha": alpha, "tokens_per_target_forward": tokens / (result.stats.target_calls + 1)})  # fmt: skip
+    if hf is not None:
+        for k in [*draft_lens, None]:
+            pin_assistant(hf_draft, k)
+            seconds, calls = hf_generate_seconds(hf, input_ids, tokens, device, repeats, assistant=hf_draft)
+            runs.append({"system": "HF assisted", "rule": "HF speculative sampling (random-weight α)",
+                         "draft_len": k if k is not None else "HF default", "tokens_per_s": tokens / seconds,
+                         "speedup": hf_s / seconds, "tokens_per_target_forward": tokens / max(1, calls)})  # fmt: skip
+    res["speculative"] = runs
+
+    log(f"[{name}] batch throughput")
+    res["batch"] = []
+    k_batch = 3 if 3 in draft_lens else draft_lens[0]
+    for b in batches:
+        batch_prompt = make_prompt(shape, args.context, b)
+        row = {"batch": b}
+        ar_b, _ = best_decode(
+            lambda p=batch_prompt: engine.decode_ar(
+                target, p, LAW, max_len=tokens, generator=_generator(device)
+            ),
+            repeats,
+        )
+        sp_b, _ = best_decode(
+            lambda p=batch_prompt: engine.decode_speculative(
+                target, draft, p, LAW, SyntheticRule(max(alphas)), draft_len=k_batch, max_len=tokens,
+                generator=_generator(device), diagnostics=False,
+            ),
+            repeats,
+        )  # fmt: skip
+        row |= {"engine_ar_tokens_per_s": b * tokens / ar_b,
+                f"engine_speculative_tokens_per_s (SYNTHETIC α={max(alphas)}, L_d={k_batch})": b * tokens / sp_b}  # fmt: skip
+        if hf is not None:
+            ids = input_ids.expand(b, -1).contiguous()
+            hf_b, _ = hf_generate_seconds(hf, ids, tokens, device, repeats)
+            row["hf_generate_tokens_per_s"] = b * tokens / hf_b
+        res["batch"].append(row)
+    return res
 
 
-def expected_tokens(alphas: list[float]) -> float:
-    """Expected tokens per round given per-position acceptance: 1 + sum_i prod_{j<=i} alpha_j."""
-    total, run = 1.0, 1.0
-    for a in alphas:
-        run *= 0.0 if math.isnan(a) else a  # nan: position never reached
-        total += run
-    return total
+# --- output ------------------------------------------------------------------------------------
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
-def main() -> None:
+def _f(x, digits: int = 2) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    out = [f"# Decoding benchmark\n\n`{results['command']}`\n\n{results['machine']}; git {results['git']}.",
+           "Random weights: α of the exact rule is that of a random draft; SYNTHETIC rows fix α by construction "
+           "(their output is not a sample of the target). Columns: docs/benchmarks.md."]  # fmt: skip
+    for res in results["shapes"]:
+        a, cost = res["architecture"], res["costs"]
+        out.append(f"\n## {res['shape']}: hidden {a['hidden']}, {a['layers']} layers, {a['heads']}/{a['kv_heads']} "
+                   f"heads, ff {a['intermediate']}, V = {a['vocab']}; draft layers {list(a['draft_layers'])}; "
+                   f"context {res['context']}, {res['tokens']} tokens, {res['dtype']} on {res['device']}, "
+                   f"engine {res['engine']}")  # fmt: skip
+        out.append("\n### Per-call cost\n")
+        out.append(_table(["call", "ms", "ratio to target decode(1)"],
+                          [[f"target {'decode(1)' if k == 1 else f'verify({k})'}", _f(ms), _f(ms / cost['target_ms'][1])]
+                           for k, ms in cost["target_ms"].items()]
+                          + [["draft decode(1)", _f(cost["draft_decode_ms"]), f"c = {_f(cost['c'], 3)}"]]))  # fmt: skip
+        out.append("\n### Sampler (distribution + sample) per step\n")
+        out.append(
+            _table(["law", "rows", "ms"], [[s["law"], s["rows"], _f(s["ms"], 3)] for s in res["sampler"]])
+        )
+        out.append("\n### Host syncs per round\n")
+        rows = []
+        for engine_name, per_mode in res["syncs"].items():
+            if "error" in per_mode:
+                rows.append([engine_name, "—", "—", per_mode["error"]])
+                continue
+            for mode, s in per_mode.items():
+                calls = ", ".join(f"{k} {v}" for k, v in s["by_call"].items())
+                rows.append([engine_name, mode, _f(s["per_round"], 1), _f(s["per_decode"], 1), calls])
+        out.append(
+            _table(["engine", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"], rows)
+        )
+        ar = res["ar"]
+        out.append("\n### AR, batch 1\n")
+        line = f"this engine {_f(ar['engine_tokens_per_s'], 1)} tokens/s"
+        if "hf_tokens_per_s" in ar:
+            line += (f"; HF generate {_f(ar['hf_tokens_per_s'], 1)} tokens/s (engine/HF "
+                     f"{_f(ar['engine_tokens_per_s'] / ar['hf_tokens_per_s'])}×); same weights: max |Δ logit| "
+                     f"{ar['hf_max_abs_logit_diff']:.1e}")  # fmt: skip
+        out.append(line)
+        out.append("\n### Speculative, batch 1 (speedup vs the same system's AR)\n")
+        out.append(_table(
+            ["system", "rule", "L_d", "tokens/s", "α", "tokens / target forward", "speedup", "predicted", "meas/pred"],
+            [[r["system"], r["rule"], r["draft_len"], _f(r["tokens_per_s"], 1), _f(r.get("alpha")),
+              _f(r["tokens_per_target_forward"]), f"{_f(r['speedup'])}×", _f(r.get("predicted")),
+              _f(r["speedup"] / r["predicted"]) if r.get("predicted") else "—"] for r in res["speculative"]],
+        ))  # fmt: skip
+        out.append("\n### Batch throughput (tokens/s, all rows)\n")
+        keys = [k for k in res["batch"][0] if k != "batch"]
+        out.append(
+            _table(["batch", *keys], [[r["batch"], *(_f(r.get(k), 1) for k in keys)] for r in res["batch"]])
+        )
+    return "\n".join(out) + "\n"
+
+
+def figure(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = results["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, res in zip(axes[0], shapes):
+        engine_runs = [r for r in res["speculative"] if r["system"] == "engine"]
+        for i, rule in enumerate(dict.fromkeys(r["rule"] for r in engine_runs)):
+            runs = [r for r in engine_runs if r["rule"] == rule and isinstance(r["draft_len"], int)]
+            ks = [r["draft_len"] for r in runs]
+            ax.plot(ks, [r["speedup"] for r in runs], "o-", color=f"C{i}", label=f"{rule} measured")
+            ax.plot(ks, [r["predicted"] for r in runs], "x--", color=f"C{i}", label=f"{rule} predicted")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(
+            title=f"{res['shape']} ({res['dtype']}, {res['device']})", xlabel="L_d", ylabel="speedup vs AR"
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="probe")
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--kv-heads", type=int)
-    parser.add_argument("--intermediate", type=int)
-    parser.add_argument("--draft-layers", help="comma-separated target layers, e.g. 0,1,11")
-    parser.add_argument("--speech-tokens", type=int, default=6561, help="speech_token_size (head = +3)")
-    parser.add_argument("--text-vocab", type=int, default=1000)
-    parser.add_argument("--prompt-len", type=int, default=200, help="context length at the start of decoding")
-    parser.add_argument("--prompt-text", type=int, default=40)
-    parser.add_argument("--tokens", type=int, default=100, help="tokens generated per measurement")
-    parser.add_argument("--draft-lens", default="1,2,3,4,5")
-    parser.add_argument("--rules", default="synthetic:0.6,synthetic:0.7,synthetic:0.8,exact")
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
-        "--verify-rows",
-        type=int,
-        default=None,
-        help="also run every setting with verify calls padded to this many rows",
+        "--shape", choices=[*SHAPES, "both"], default="both", help="both = toy and cosyvoice2"
     )
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: few tokens, one repeat, L_d 1-2, batch 1-2"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "experiments" / "results" / "bench_decoding",
+        help="directory for results.json, results.md, speedup.png",
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate comparison")
-    parser.add_argument("--json", type=Path, help="also write all figures to this JSON file")
-    args = parser.parse_args()
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--context", type=int, default=200, help="prompt positions before decoding")
+    parser.add_argument("--tokens", type=int, default=100, help="tokens generated per row and run")
+    parser.add_argument("--draft-lens", default="1,2,3,4,5")
+    parser.add_argument("--alphas", default="0.6,0.7,0.8", help="SYNTHETIC acceptance rates")
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (fastest kept)")
+    # ccda55e: the engine before per-row random streams and on-device statistics.
+    parser.add_argument("--baseline-engine", default="ccda55e",
+                        help="git revision whose ssd/decoding is counted for host syncs too ('' to skip)")  # fmt: skip
+    parser.add_argument(
+        "--verify-rows", type=int, help="also run the engine with verify calls padded to this many rows"
+    )
+    parser.add_argument("--compile", action="store_true",
+                        help="time the engine with its compiled decode step (compile_decoding; CUDA)")  # fmt: skip
+    parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode for --compile")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate / assisted rows")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.context, args.tokens, args.repeats = min(args.context, 32), min(args.tokens, 12), 1
+        args.draft_lens, args.alphas, args.batches = "1,2", "0.8", "1,2"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    console = Console(width=170)
-    target, draft = build_models(args)
-    prompt = make_prompt(args)
-    # CosyVoice 2's sampler (RAS), no stop tokens so every run generates exactly --tokens.
-    sampling = SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10, ras_tau=0.1)
-    n_params = sum(p.numel() for p in target.backbone.parameters()) / 1e6
-    device_name = (
-        torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{torch.get_num_threads()}"
-    )
-    console.print(
-        f"[bold]target[/] {args.layers} layers, hidden {args.hidden} ({n_params:.0f} M backbone params); "
-        f"[bold]draft[/] layers [{args.draft_layers}]; {args.dtype} on {device_name}; context {args.prompt_len}"
-    )
-
-    paddings = [None] if args.verify_rows is None else [None, args.verify_rows]
-    blocks = sorted({1, *[k + 1 for k in map(int, args.draft_lens.split(","))], 8, args.verify_rows or 1})
-    target_cost = step_costs(target, prompt, args, blocks)
-    draft_cost = step_costs(draft, prompt, args, [1, 2])
-    c = draft_cost[1] / target_cost[1]
-    costs = Table(title="per-call cost (median)")
-    costs.add_column("rows fed")
-    costs.add_column("target ms")
-    costs.add_column("v = cost / decode(1)")
-    for k in blocks:
-        costs.add_row(str(k), f"{target_cost[k] * 1e3:.2f}", f"{target_cost[k] / target_cost[1]:.2f}")
-    console.print(costs)
-    console.print(
-        f"draft decode(1) {draft_cost[1] * 1e3:.2f} ms, decode(2) {draft_cost[2] * 1e3:.2f} ms; c = {c:.3f}"
-    )
-
-    def run(fn) -> tuple[float, object]:
-        fn()  # warm-up
-        best = None
-        for _ in range(3):
-            result = fn()
-            if best is None or result.stats.time_total < best.stats.time_total:
-                best = result
-        return best.stats.time_total, best
-
-    ar_time, _ = run(
-        lambda: decode_ar(
-            target, prompt, sampling, max_len=args.tokens, generator=torch.Generator().manual_seed(0)
-        )
-    )
-    ar_tps = args.tokens / ar_time
-    figures = {"args": vars(args) | {"json": None}, "device": device_name, "c": c, "ar_tokens_per_s": ar_tps,
-               "target_cost_s": target_cost, "draft_cost_s": draft_cost, "runs": []}  # fmt: skip
-    line = f"AR (this engine): {ar_tps:.1f} tokens/s"
-    if not args.no_hf:
-        hf_tps = hf_generate_tokens_per_s(target, prompt, args, sampling)
-        figures["hf_generate_tokens_per_s"] = hf_tps
-        line += f"   HF generate, same weights: {hf_tps:.1f} tokens/s   ratio {ar_tps / hf_tps:.2f}x"
-    console.print(line)
-
-    table = Table(title="speculative decoding vs AR (same model, same run)")
-    for col in ("rule", "L_d", "tokens/s", "LM s", "alpha per position", "tok/target call", "speedup", "predicted",
-                "meas/pred"):  # fmt: skip
-        table.add_column(col)
-    for spec in args.rules.split(","):
-        name, _, value = spec.partition(":")
-        rule = instantiate(option_node("acceptance", name, **({"alpha": float(value)} if value else {})))
-        label = f"{name} α={value} (SYNTHETIC)" if name == "synthetic" else name
-        for k, rows in itertools.product(map(int, args.draft_lens.split(",")), paddings):
-            if rows is not None and rows <= k + 1:
-                continue
-            seconds, result = run(
-                lambda rule=rule, k=k, rows=rows: decode_speculative(
-                    target,
-                    draft,
-                    prompt,
-                    sampling,
-                    rule,
-                    draft_len=k,
-                    max_len=args.tokens,
-                    generator=torch.Generator().manual_seed(0),
-                    verify_rows=rows,
-                )  # fmt: skip
-            )
-            s = result.stats
-            alphas = [a for a in s.alpha_per_position]
-            # Per round: k draft calls (the first feeds 2 tokens after round 1) + one verify of k+1 rows.
-            round_cost = draft_cost[2] + (k - 1) * draft_cost[1] + target_cost[rows or k + 1]
-            predicted = expected_tokens(alphas) / round_cost * ar_time / args.tokens
-            measured = ar_time / seconds
-            table.add_row(
-                label, f"{k}" + (f" (verify {rows} rows)" if rows else ""), f"{args.tokens / seconds:.1f}", f"{seconds:.3f}",
-                " ".join("-" if math.isnan(a) else f"{a:.2f}" for a in alphas), f"{s.tokens_per_target_call:.2f}",
-                f"{measured:.2f}x", f"{predicted:.2f}x", f"{measured / predicted:.2f}",
-            )  # fmt: skip
-            figures["runs"].append(dict(rule=label, draft_len=k, verify_rows=rows, seconds=seconds, alphas=alphas,
-                                        speedup=measured, predicted=predicted,
-                                        tokens_per_target_call=s.tokens_per_target_call))  # fmt: skip
-    console.print(table)
-    console.print(
-        "predicted = E[tokens/round](measured α) x AR s/token / (draft(2) + (L_d-1) draft(1) + verify(L_d+1)), "
-        "all costs measured above in this run."
-    )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=2, default=str))
+    names = ["toy", "cosyvoice2"] if args.shape == "both" else [args.shape]
+    command = "python scripts/bench_decoding.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = {"command": command.strip(), "machine": machine(args.device), "git": git_commit(),
+               "law": repr(LAW), "shapes": []}  # fmt: skip
+    for name in names:
+        results["shapes"].append(bench_shape(name, args, log=lambda m: print(m, flush=True)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (args.out / "results.md").write_text(markdown(results))
+    figure(results, args.out / "speedup.png")
+    print(markdown(results))
+    print(f"wrote {args.out}/results.json, results.md, speedup.png")
+    return results
 
 
 if __name__ == "__main__":

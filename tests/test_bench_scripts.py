@@ -1,0 +1,105 @@
+"""Smoke tests of the benchmark scripts at a tiny shape, and of the host-sync counter they rely on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sync_counter_counts_every_host_read_and_nothing_else():
+    bench = load_script("bench_decoding")
+    x = torch.tensor([3.0, -1.0, 2.0])
+
+    def seven_syncs(x):
+        x.sum().item()
+        int(x[0])
+        float(x[1])
+        x.tolist()
+        x.nonzero()
+        _ = x[x > 0]
+        if x.max() > 0:  # __bool__
+            pass
+
+    def device_only(x):
+        y = torch.where(x > 0, x, -x).cumsum(0)
+        return torch.softmax(y, 0).argmax(), y[1:], x.clamp_min(0)
+
+    with bench.HostSyncCounter() as counter:
+        seven_syncs(x)
+    assert counter.total == 7, counter.calls
+    assert counter.calls["__getitem__[bool mask]"] == 1 and counter.calls["item"] == 1
+    with bench.HostSyncCounter() as counter:
+        device_only(x)
+    assert counter.total == 0, counter.calls
+
+
+def test_bench_decoding_quick_run_writes_its_tables(tmp_path):
+    bench = load_script("bench_decoding")
+    results = bench.main(["--shape", "tiny", "--quick", "--out", str(tmp_path)])
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md", "speedup.png"}
+    assert json.loads((tmp_path / "results.json").read_text())["shapes"][0]["shape"] == "tiny"
+    res = results["shapes"][0]
+    assert res["ar"]["hf_max_abs_logit_diff"] < 1e-4  # HF holds the engine's weights
+    systems = {(r["system"], r["rule"]) for r in res["speculative"]}
+    assert ("engine", "exact (random-weight α)") in systems and ("engine", "SYNTHETIC α=0.8") in systems
+    assert any(system == "HF assisted" for system, _ in systems)
+    assert all(r["tokens_per_s"] > 0 for r in res["speculative"])
+    assert [r["batch"] for r in res["batch"]] == [1, 2]
+    for per_mode in res["syncs"].values():  # this engine and the baseline revision
+        assert "error" not in per_mode, per_mode
+        assert per_mode["ar"]["rounds"] == 2 * res["tokens"]  # AR's round is one token; the longer decode
+        for s in per_mode.values():
+            assert s["per_round"] > 0 and sum(s["by_call"].values()) == s["syncs"]
+    assert len(res["syncs"]) == 3  # this engine on both cache paths, and the baseline revision
+    # The static cache path (what a compiled step runs) reads the device once per round.
+    assert res["syncs"]["this engine, static cache path"]["speculative"]["per_round"] <= 1.0
+    md = (tmp_path / "results.md").read_text()
+    for heading in (
+        "Per-call cost",
+        "Sampler",
+        "Host syncs per round",
+        "Speculative, batch 1",
+        "Batch throughput",
+    ):
+        assert heading in md
+    assert "SYNTHETIC" in md
+
+
+def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys):
+    gpu_check = load_script("gpu_check")
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    checks = gpu_check.all_checks(report)
+    assert all(c["ok"] for c in checks.values()), checks
+    assert any("negative control" in name for name in checks) and any(
+        "compiled == eager" in n for n in checks
+    )
+    assert (
+        report["decoding"]["runs"] and report["batch"]["rows"] and report["syncs"]["torch-function counter"]
+    )
+    assert "Correctness" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.parse_args(["--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "--device cpu --quick" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_check.parse_args([])
+        assert exit_info.value.code == 2
