@@ -48,6 +48,8 @@ def lm_rtf(records: Sequence[dict]) -> float:
 def e2e_rtf(records: Sequence[dict]) -> float:
     """End-to-end RTF = (LM time + token-to-waveform time) / audio duration, over the batch-1 timed utterances."""
     timed = _timed(records)
+    if any(r.get("vocoder_time") is None for r in timed):  # records written before vocoding was timed
+        return float("nan")
     return _ratio(_sum(timed, "lm_time") + _sum(timed, "vocoder_time"), _sum(timed, "audio_sec"))
 
 
@@ -136,7 +138,7 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
             "tokens": int(tokens),
             "latency_utterances": len(timed),  # timed alone: LM-RTF and E2E-RTF are over these
             "tokens_per_sec": _ratio(_sum(timed, "n_tokens"), lm_time),  # batch 1
-            "vocoder_share": _ratio(vocoder_time, lm_time + vocoder_time),  # of LM + vocoder time
+            "vocoder_share": _ratio(vocoder_time, lm_time + vocoder_time) if vocoder_time else float("nan"),
             # Throughput of the decode as run (batched when eval.batch_size > 1), LM stage only.
             "throughput_utts_per_sec": _ratio(len(records), decode_time),
             "throughput_tokens_per_sec": _ratio(tokens, decode_time),
