@@ -20,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ssd.decoding.rng import RowRandom
+
 
 @runtime_checkable
 class SpeechLM(Protocol):
@@ -112,12 +114,21 @@ class AcceptanceRule(Protocol):
     draft tokens stay and what the next token is (`ssd.decoding.acceptance` has the shipped rules)."""
 
     name: str
-    exact: bool  # the emitted token law equals q
+    preserves_target_law: bool  # the emitted token law equals q (its TV to q is 0 without computing it)
+    deterministic: (
+        bool  # the verdict draws no random numbers (greedy: equals greedy AR of q, not a sample of q)
+    )
 
     def verify(
-        self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        generator: RowRandom | torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n_accepted [B] in 0..k, next_token [B])."""
+        """(n_accepted [B] in 0..k, next_token [B]). Random numbers come from the row streams
+        (`RowRandom.of(generator, B, device)`), a count per row that does not depend on the data, so a row
+        verifies the same in any batch."""
         ...
 
     def labels(self) -> dict[str, Any]:

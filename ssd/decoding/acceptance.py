@@ -10,6 +10,13 @@ and the analytic certificate (`output_law`):
     residual(p, q, x)    -> law of the replacement when x is rejected
 PCG works on groups of tokens and overrides `verify` and adds `group_law`.
 
+Two properties a rule declares, not to be confused:
+    preserves_target_law: the emitted tokens are an exact sample of q (speculative sampling);
+    deterministic:        no randomness in the verdict; greedy equals greedy AR decoding of q,
+                          which is a sample of q only when q itself is one-hot (temperature 0).
+Random numbers come from per-row streams (`RowRandom`), a FIXED count per row and round whatever
+the data, so that a row verifies the same way in any batch.
+
 A rule is a Hydra `_target_` node (configs/acceptance/): a rule class of any module plugs in with
 `acceptance._target_=my_module.MyRule` when it speaks `ssd.contracts.AcceptanceRule`. It names the
 parameters that label its runs in `label_params`, and takes what it needs from the target in `bind`.
@@ -21,6 +28,7 @@ import math
 
 import torch
 
+from ssd.decoding.rng import RowRandom
 from ssd.decoding.sampling import sample
 
 
@@ -45,7 +53,8 @@ class AcceptanceRule:
     """Base class: ratio-style acceptance, vectorised over rows and draft positions."""
 
     name = "base"
-    exact = False  # True when the token-level output law equals q
+    preserves_target_law = False  # the token-level output law equals q
+    deterministic = False  # the verdict uses no random numbers
     residual_depends_on_draft_token = False
     label_params: tuple[str, ...] = ()  # attributes that identify a run of the rule (tables, run labels)
 
@@ -68,16 +77,22 @@ class AcceptanceRule:
         raise NotImplementedError
 
     def verify(
-        self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        generator: RowRandom | torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """p [B, k, V], q [B, k+1, V] (last = bonus position), x [B, k].
 
         Returns (n_accepted [B] in 0..k, next_token [B]): the replacement at the first
         rejected position, or a bonus token from q[:, k] when all k were accepted.
+        Draws k + 1 numbers per row (k + 0 for a deterministic rule).
         """
         batch, k = x.shape
+        generator = RowRandom.of(generator, batch, x.device)
         accept = self.accept_prob(p, q[:, :k], x)
-        u = torch.rand(batch, k, generator=generator, device=x.device, dtype=accept.dtype)
+        u = generator.uniform(k, dtype=accept.dtype)
         n_acc = (u < accept).long().cumprod(-1).sum(-1)
         rejected = n_acc < k
         pos = n_acc.clamp(max=k - 1)
@@ -86,7 +101,7 @@ class AcceptanceRule:
         law = torch.where(rejected.unsqueeze(-1), replacement, q[:, k])
         return n_acc, self.sample_next(law, generator)
 
-    def sample_next(self, law: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def sample_next(self, law: torch.Tensor, generator: RowRandom) -> torch.Tensor:
         return sample(law, generator)
 
     def output_law(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -112,7 +127,7 @@ class ExactRule(AcceptanceRule):
     """Speculative sampling (Leviathan et al.; Chen et al.): exact in law."""
 
     name = "exact"
-    exact = True
+    preserves_target_law = True
 
     def accept_prob(self, p, q, x):
         px, qx = _gather(p, x), _gather(q, x)
@@ -134,7 +149,7 @@ class ToleranceRule(ExactRule):
         if beta < 0:
             raise ValueError(f"tolerance beta must be >= 0, got {beta}")
         self.beta = float(beta)
-        self.exact = self.beta == 0
+        self.preserves_target_law = self.beta == 0
 
     def accept_prob(self, p, q, x):
         return (super().accept_prob(p, q, x) + self.beta).clamp(max=1.0)
@@ -147,7 +162,9 @@ class GreedyRule(AcceptanceRule):
     """Accept while x == argmax q; replacement and bonus are argmax q."""
 
     name = "greedy"
-    exact = True  # equals greedy AR decoding of q (up to float ties)
+    deterministic = (
+        True  # equals greedy AR decoding of q (up to float ties); a sample of q only at temperature 0
+    )
 
     def accept_prob(self, p, q, x):
         return (_per_law(q.argmax(-1), x) == x).to(q.dtype)
@@ -166,7 +183,7 @@ class TargetOnlyRule(AcceptanceRule):
     """
 
     name = "target_only"
-    exact = True
+    preserves_target_law = True
     residual_depends_on_draft_token = True
 
     def accept_prob(self, p, q, x):
@@ -234,14 +251,15 @@ class PCGRule(AcceptanceRule):
     each of them P(u)/m(u). Draft token x ~ P, group label v uniform in G_x (so v ~ P_c);
     accept with min(1, Q_c(v)/P_c(v)) and keep x. On rejection draw v from
     normalize(max(0, Q_c - P_c)) by thinning (propose v ~ Q_c by u ~ Q, v uniform in G_u;
-    keep with prob max(0, 1 - P_c(v)/Q_c(v))), never enumerating all groups; after
-    `max_thinning_trials` failures the residual is enumerated (still exact). The emitted
+    keep with prob max(0, 1 - P_c(v)/Q_c(v))); after `max_thinning_trials` failures the
+    enumerated residual is used (still exact; it is computed for every row, so that the work and
+    the random numbers a row uses never depend on the data or on the other rows). The emitted
     token is then drawn inside G_v from Q's mass split, Q(u)/m(u) normalised over G_v.
     Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
     """
 
     name = "pcg"
-    exact = False
+    preserves_target_law = False  # the GROUP law is Q_c's; the token law is not q
     cheap_output_law = False  # needs a dense [groups, tokens] matrix
     label_params = ("theta",)
 
@@ -284,10 +302,10 @@ class PCGRule(AcceptanceRule):
         split = law / self.group_size.to(law.dtype)
         return (split.gather(-1, members) * mask).sum(-1)
 
-    def _uniform_member(self, tokens: torch.Tensor, generator) -> torch.Tensor:
-        """A group label chosen uniformly among the groups containing each token."""
+    def _uniform_member(self, tokens: torch.Tensor, generator: RowRandom) -> torch.Tensor:
+        """A group label chosen uniformly among the groups containing each token; tokens [B] or [B, k]."""
         size = self.group_size[tokens]
-        u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        u = generator.uniform(tokens[0].numel(), dtype=torch.float32).reshape(tokens.shape)
         slot = (u * size).long().clamp(max=size - 1)
         return self.neighbors[tokens].gather(-1, slot.unsqueeze(-1)).squeeze(-1)
 
@@ -296,47 +314,48 @@ class PCGRule(AcceptanceRule):
         return n_acc, next_token
 
     def verify_groups(self, p, q, x, generator=None):
-        """verify() plus the group label [B] of the token emitted at the first draft position."""
+        """verify() plus the group label [B] of the token emitted at the first draft position.
+
+        Every row runs the residual branch (used only where it rejected), so every row draws the same
+        count of numbers whatever its verdict: 2k + 3·max_thinning_trials + 3.
+        """
         if self.neighbors.device != x.device:
             self.to(x.device)
         batch, k = x.shape
+        generator = RowRandom.of(generator, batch, x.device)
         labels = self._uniform_member(x, generator)  # [B, k], ~ P_c at each position
         pc, qc = self.coarse_mass(p, labels), self.coarse_mass(q[:, :k], labels)
         accept = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
-        u = torch.rand(batch, k, generator=generator, device=x.device, dtype=accept.dtype)
+        u = generator.uniform(k, dtype=accept.dtype)
         n_acc = (u < accept).long().cumprod(-1).sum(-1)
         rejected = n_acc < k
         rows = torch.arange(batch, device=x.device)
         pos = n_acc.clamp(max=k - 1)
-        next_token = sample(q[:, k], generator)
-        first_group = labels[:, 0].clone()
-        if rejected.any():
-            r = rows[rejected]
-            groups = self.residual_group(p[r, pos[r]], q[r, pos[r]], generator)
-            next_token[r] = self.token_in_group(q[r, pos[r]], groups, generator)
-            first_group[r[n_acc[r] == 0]] = groups[n_acc[r] == 0]
+        bonus = sample(q[:, k], generator)
+        groups = self.residual_group(p[rows, pos], q[rows, pos], generator)
+        replacement = self.token_in_group(q[rows, pos], groups, generator)
+        next_token = torch.where(rejected, replacement, bonus)
+        first_group = torch.where(n_acc == 0, groups, labels[:, 0])
         return n_acc, next_token, first_group
 
-    def residual_group(self, p: torch.Tensor, q: torch.Tensor, generator) -> torch.Tensor:
-        """Group ids [N] ~ normalize(max(0, Q_c - P_c)), by thinning, then enumeration."""
-        n = p.shape[0]
-        result = torch.full((n,), -1, dtype=torch.long, device=p.device)
+    def residual_group(self, p: torch.Tensor, q: torch.Tensor, generator: RowRandom) -> torch.Tensor:
+        """Group ids [N] ~ normalize(max(0, Q_c - P_c)), by thinning, then enumeration.
+
+        A fixed block of trials for every row (a row that succeeded keeps its first success), so the
+        count of numbers drawn does not depend on the data; the enumerated fallback is computed for every
+        row and used where all trials failed.
+        """
+        result = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
+        tiny = torch.finfo(q.dtype).tiny
         for _ in range(self.max_thinning_trials):
-            todo = (result < 0).nonzero().squeeze(-1)
-            if len(todo) == 0:
-                return result
-            proposal = self._uniform_member(sample(q[todo], generator), generator)  # ~ Q_c
-            qc, pc = self.coarse_mass(q[todo], proposal), self.coarse_mass(p[todo], proposal)
-            keep_prob = (1 - pc / qc.clamp_min(torch.finfo(q.dtype).tiny)).clamp_min(0)
-            u = torch.rand(len(todo), generator=generator, device=p.device, dtype=keep_prob.dtype)
-            ok = u < keep_prob
-            result[todo[ok]] = proposal[ok]
-        todo = (result < 0).nonzero().squeeze(-1)
-        if len(todo):
-            all_groups = torch.arange(self.vocab_size, device=p.device)
-            diff = (self.coarse_law(q[todo], all_groups) - self.coarse_law(p[todo], all_groups)).clamp_min(0)
-            result[todo] = sample(_normalize(diff), generator)
-        return result
+            proposal = self._uniform_member(sample(q, generator), generator)  # ~ Q_c
+            qc, pc = self.coarse_mass(q, proposal), self.coarse_mass(p, proposal)
+            keep_prob = (1 - pc / qc.clamp_min(tiny)).clamp_min(0)
+            ok = generator.uniform(1, dtype=keep_prob.dtype).squeeze(-1) < keep_prob
+            result = torch.where((result < 0) & ok, proposal, result)
+        all_groups = torch.arange(self.vocab_size, device=p.device)
+        diff = (self.coarse_law(q, all_groups) - self.coarse_law(p, all_groups)).clamp_min(0)
+        return torch.where(result < 0, sample(_normalize(diff), generator), result)
 
     def coarse_law(self, law: torch.Tensor, all_groups: torch.Tensor | None = None) -> torch.Tensor:
         """Q_c over every group [N, V] (enumerates all groups; fallback and certificates)."""
@@ -345,7 +364,7 @@ class PCGRule(AcceptanceRule):
         split = law / self.group_size.to(law.dtype)
         return (split[:, self.neighbors[all_groups]] * self.neighbor_mask[all_groups]).sum(-1)
 
-    def token_in_group(self, q: torch.Tensor, groups: torch.Tensor, generator) -> torch.Tensor:
+    def token_in_group(self, q: torch.Tensor, groups: torch.Tensor, generator: RowRandom) -> torch.Tensor:
         members, mask = self.neighbors[groups], self.neighbor_mask[groups]
         weight = q.gather(-1, members) / self.group_size[members].to(q.dtype) * mask
         return members.gather(-1, sample(_normalize(weight), generator).unsqueeze(-1)).squeeze(-1)

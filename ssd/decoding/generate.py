@@ -10,19 +10,25 @@ One round with draft length k:
   both caches roll back k - n; pending_t = [y], pending_d = [token before y, y].
 Rows that finished keep running with n forced to 0 (their caches grow by one token a
 round) so that the batch stays rectangular; their output is frozen.
+
+Batch invariance: every random number comes from the row's own stream (`RowRandom`), and a row
+draws the same count per round whatever its verdict, so row b decodes exactly as it would alone
+(with a fixed draft length: adaptive k is shared by the batch).
+Host syncs: one per round, the "all rows done?" check (adaptive's verdict rides on it). Statistics
+stay on the device (`_Tally`) and are read once at the end; phase times are CUDA events on GPU.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from ssd.contracts import SpeechLM
 from ssd.decoding.acceptance import AcceptanceRule
+from ssd.decoding.rng import RowRandom
 from ssd.decoding.sampling import SamplingConfig, distribution, sample
 
 
@@ -42,7 +48,11 @@ class AdaptiveDraftLength:
 
 @dataclass
 class DecodeStats:
-    """What a decode did. Counts only rows that were still generating."""
+    """What a decode did, summed over rows. Counts only rows that were still generating.
+
+    tv_sum is None when TV was not computed (an inexact rule without diagnostics); it is 0 for a rule
+    that preserves the target law (known, not computed). overlap_sum is None without diagnostics.
+    """
 
     rounds: int = 0
     target_calls: int = 0  # forward passes after prefill
@@ -50,26 +60,19 @@ class DecodeStats:
     tokens: int = 0  # emitted tokens (stop tokens not counted)
     proposed: list[int] = field(default_factory=list)  # [position] rows that reached draft position i
     accepted: list[int] = field(default_factory=list)  # [position] rows that kept draft token i
-    overlap_sum: list[float] = field(default_factory=list)  # [position] Σ_t Σ_x min(p_t, q_t)
-    tv_sum: list[float] = field(default_factory=list)  # [position] Σ_t TV(rule's output law, q_t)
-    accepted_per_round: list[list[int]] = field(default_factory=list)
+    overlap_sum: list[float] | None = field(default_factory=list)  # [position] Σ_t Σ_x min(p_t, q_t)
+    tv_sum: list[float] | None = field(default_factory=list)  # [position] Σ_t TV(rule's output law, q_t)
+    accepted_per_round: list[list[int]] = field(default_factory=list)  # [round] kept per active row
     draft_len_per_round: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_accept: float = 0.0
-
-    def _grow(self, k: int) -> None:
-        for lst, zero in (
-            (self.proposed, 0),
-            (self.accepted, 0),
-            (self.overlap_sum, 0.0),
-            (self.tv_sum, 0.0),
-        ):
-            lst.extend([zero] * (k - len(lst)))
+    time_diagnostics: float = 0.0  # overlap and TV bookkeeping: not part of time_total
 
     @property
     def time_total(self) -> float:
+        """The decode's time as a deployment runs it (diagnostics excluded)."""
         return self.time_prefill + self.time_draft + self.time_verify + self.time_accept
 
     @property
@@ -80,16 +83,17 @@ class DecodeStats:
     @property
     def alpha_per_position(self) -> list[float]:
         """P(draft token i kept | tokens before it kept)."""
-        return [a / p if p else float("nan") for a, p in zip(self.accepted, self.proposed)]
+        return _per_position(self.accepted, self.proposed)
 
     @property
     def overlap_per_position(self) -> list[float]:
-        """Mean β_t = Σ_x min(p_t, q_t) at each position (no sampling noise)."""
-        return [s / p if p else float("nan") for s, p in zip(self.overlap_sum, self.proposed)]
+        """Mean β_t = Σ_x min(p_t, q_t) at each position (no sampling noise); NaN where not computed."""
+        return _per_position(self.overlap_sum, self.proposed)
 
     @property
     def tv_per_position(self) -> list[float]:
-        return [s / p if p else float("nan") for s, p in zip(self.tv_sum, self.proposed)]
+        """Mean TV(output law, q_t) at each position; NaN where not computed."""
+        return _per_position(self.tv_sum, self.proposed)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -117,37 +121,73 @@ class DecodeStats:
             "time_draft": self.time_draft,
             "time_verify": self.time_verify,
             "time_accept": self.time_accept,
+            "time_diagnostics": self.time_diagnostics,
             "time_total": self.time_total,
         }
 
 
+def _per_position(sums: list[float] | None, proposed: list[int]) -> list[float]:
+    if sums is None:
+        return [float("nan")] * len(proposed)
+    return [s / p if p else float("nan") for s, p in zip(sums, proposed)]
+
+
 @dataclass
 class DecodeResult:
+    """tokens, finish_reason and rows: one entry per batch row; stats: the batch as a whole.
+
+    rows[b] holds row b's own counts while it was active, keys: rounds, target_calls, draft_calls,
+    tokens (int); proposed, accepted ([k_max] ints); overlap_sum ([k_max] floats, None without
+    diagnostics); tv_sum ([k_max] floats, None when not computed); accepted_per_round and
+    draft_len_per_round ([rounds] ints). A row's entry is the same whatever batch it was decoded in.
+    """
+
     tokens: list[list[int]]  # per row, stop token excluded
     finish_reason: list[str]  # "stop" | "max_len"
     stats: DecodeStats
+    rows: list[dict] = field(default_factory=list)
 
 
 class _Clock:
-    """Phase timer; synchronises CUDA so GPU time lands in the right phase."""
+    """Phase timer without host syncs: CUDA events on GPU (read once, in `totals`), perf_counter on CPU.
+
+    `lap(phase)` charges the time since the previous lap to `phase`.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.last = self._now()
+        self.laps: list[tuple[str, object]] = []
+        self.start = self._mark()
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def lap(self) -> float:
-        now = self._now()
-        elapsed, self.last = now - self.last, now
-        return elapsed
+    def lap(self, phase: str) -> None:
+        self.laps.append((phase, self._mark()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase (one CUDA sync)."""
+        if self.cuda and self.laps:
+            self.laps[-1][1].synchronize()
+        totals: dict[str, float] = {}
+        previous = self.start
+        for phase, mark in self.laps:
+            elapsed = previous.elapsed_time(mark) / 1000 if self.cuda else mark - previous
+            totals[phase] = totals.get(phase, 0.0) + elapsed
+            previous = mark
+        return totals
+
+    def write(self, stats: DecodeStats) -> None:
+        for phase, seconds in self.totals().items():
+            setattr(stats, f"time_{phase}", seconds)
 
 
 class _Output:
-    """Emitted tokens per row, the generated-history window, stop/max_len handling."""
+    """Emitted tokens per row, the generated-history window, stop/max_len handling (all on the device)."""
 
     def __init__(self, batch: int, max_len: torch.Tensor, cfg: SamplingConfig, device):
         self.max_len = max_len.to(device)
@@ -157,7 +197,20 @@ class _Output:
         self.history = torch.full((batch, cap), -1, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.reason = ["max_len"] * batch
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # ended by a stop token
+        self.bad_law = torch.zeros((), dtype=torch.bool, device=device)  # a law held NaN/inf
+
+    def watch(self, law: torch.Tensor) -> torch.Tensor:
+        """Note (on the device) whether a sampling law is NaN/inf; `sync` reports it."""
+        self.bad_law |= ~torch.isfinite(law).all()
+        return law
+
+    def sync(self, latest: Callable[[], dict], *flags: torch.Tensor) -> list[bool]:
+        """The round's one host sync: [all rows done?, *flags]; raises FloatingPointError after a NaN/inf law."""
+        done, bad, *rest = torch.stack([self.done.all(), self.bad_law, *flags]).tolist()
+        if bad:
+            _raise_non_finite(latest, self)
+        return [done, *rest]
 
     def last_window(self) -> torch.Tensor:
         """[B, W]: the last W generated tokens, -1 where fewer exist."""
@@ -181,13 +234,15 @@ class _Output:
         self.history.scatter_(1, idx, torch.where(write, block, self.history.gather(1, idx)))
         self.count += n
         stopped = ~self.done & (first_stop < block_len) & (first_stop < room)
-        for b in stopped.nonzero().flatten().tolist():
-            self.reason[b] = "stop"
+        self.stopped |= stopped
         self.done |= stopped | (self.count >= self.max_len)
         return n
 
     def tokens(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.history.cpu(), self.count.cpu().tolist())]
+
+    def reasons(self) -> list[str]:
+        return ["stop" if s else "max_len" for s in self.stopped.tolist()]
 
 
 def _as_rows(value, batch: int, device) -> torch.Tensor:
@@ -195,7 +250,7 @@ def _as_rows(value, batch: int, device) -> torch.Tensor:
 
 
 def _first_token(logits, cfg, out, min_len, generator):
-    law = distribution(cfg, logits.to(torch.float32), out.last_window(), out.count, min_len)
+    law = out.watch(distribution(cfg, logits.to(torch.float32), out.last_window(), out.count, min_len))
     token = sample(law, generator)
     out.emit(token.unsqueeze(-1), torch.ones_like(token))
     return token
@@ -209,50 +264,63 @@ def decode_ar(
     max_len,
     min_len=0,
     batch_size: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: RowRandom | torch.Generator | None = None,
     role: str = "target",
 ) -> DecodeResult:
     """Autoregressive sampling from `sampling`'s law, one model call per token. `role` names the model in
-    errors ("target", or "draft" for the draft alone)."""
+    errors ("target", or "draft" for the draft alone).
+
+    generator: one random stream per row (a RowRandom gives row b the same tokens in any batch; a
+    torch.Generator or None seeds fresh streams). One host sync per token (the "all rows done?" check).
+    """
     stats = DecodeStats()
     cache, logits = model.prefill(prompt, int(torch.as_tensor(max_len).max()) + 1)
     device, batch = logits.device, logits.shape[0]
+    generator = RowRandom.of(generator, batch, device)
     clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
-    with _naming_non_finite_logits(lambda: {role: logits}, out):
+    calls = torch.zeros(batch, dtype=torch.long, device=device)  # model calls while each row was active
+
+    def latest() -> dict:
+        return {role: logits}
+
+    token = _first_token(logits, sampling, out, min_len, generator)
+    (finished,) = out.sync(latest)
+    clock.lap("prefill")
+    while not finished:
+        calls += ~out.done
+        logits = model.extend(cache, token.unsqueeze(-1))[:, -1]
+        stats.target_calls += 1
+        clock.lap("verify")
         token = _first_token(logits, sampling, out, min_len, generator)
-        stats.time_prefill = clock.lap()
-        while not out.done.all():
-            logits = model.extend(cache, token.unsqueeze(-1))[:, -1]
-            stats.target_calls += 1
-            stats.time_verify += clock.lap()
-            token = _first_token(logits, sampling, out, min_len, generator)
-            stats.time_accept += clock.lap()
-    stats.tokens = int(out.count.sum())
-    return DecodeResult(out.tokens(), out.reason, stats)
+        (finished,) = out.sync(latest)
+        clock.lap("accept")
+    clock.write(stats)
+    counts = out.count.tolist()
+    stats.tokens = sum(counts)
+    rows = [
+        {"rounds": 0, "target_calls": c, "draft_calls": 0, "tokens": n, "proposed": [], "accepted": [],
+         "overlap_sum": [], "tv_sum": [], "accepted_per_round": [], "draft_len_per_round": []}
+        for c, n in zip(calls.tolist(), counts)
+    ]  # fmt: skip
+    return DecodeResult(out.tokens(), out.reasons(), stats, rows)
 
 
-@contextmanager
-def _naming_non_finite_logits(latest: Callable[[], dict[str, torch.Tensor | None]], out: _Output):
-    """torch.multinomial only says "probability tensor contains inf/nan"; name the model and the step.
-    The check runs only after such a failure, so the decode loop stays free of extra host syncs."""
-    try:
-        yield
-    except RuntimeError as err:
-        if "probability tensor" not in str(err):
-            raise
-        for role, logits in latest().items():
-            finite = (
-                torch.isfinite(logits).reshape(logits.shape[0], -1).all(-1) if logits is not None else None
+def _raise_non_finite(latest: Callable[[], dict[str, torch.Tensor | None]], out: _Output) -> None:
+    """A sampling law held NaN/inf: name the model whose logits did it, and the step."""
+    for role, logits in latest().items():
+        finite = torch.isfinite(logits).reshape(logits.shape[0], -1).all(-1) if logits is not None else None
+        if finite is not None and not finite.all():
+            raise FloatingPointError(
+                f"the {role}'s logits are NaN/inf at generated token {int(out.count.min())} (batch rows "
+                f"{(~finite).nonzero().flatten().tolist()}): check the {role}'s weights (its checkpoint, and its "
+                "dtype: float16 can overflow)"
             )
-            if finite is not None and not finite.all():
-                raise FloatingPointError(
-                    f"the {role}'s logits are NaN/inf at generated token {int(out.count.min())} (batch rows "
-                    f"{(~finite).nonzero().flatten().tolist()}): check the {role}'s weights (its checkpoint, and its "
-                    "dtype: float16 can overflow)"
-                ) from err
-        raise
+    raise FloatingPointError(
+        f"a sampling law is NaN/inf at generated token {int(out.count.min())} although the logits are finite: "
+        "check the sampling config (e.g. every token masked)"
+    )
 
 
 def _verification_windows(last_window: torch.Tensor, draft_tokens: torch.Tensor, window: int) -> torch.Tensor:
@@ -269,6 +337,82 @@ def _draft_token(cfg: SamplingConfig, logits, window, step, min_len, generator):
     return sample(law, generator), law
 
 
+class _Tally:
+    """Per-row counts of a speculative decode, kept on the device and read once at the end.
+
+    proposed/accepted [B, k_max]: rows that reached / kept draft position i; overlap, tv [B, k_max] float64
+    sums over reached positions (None when not computed); per_round: n accepted per round, -1 where the
+    row had finished.
+    """
+
+    def __init__(self, batch: int, k_max: int, device, overlap: bool, tv: bool):
+        def zeros(dtype):
+            return torch.zeros(batch, k_max, dtype=dtype, device=device)
+
+        self.proposed, self.accepted = zeros(torch.long), zeros(torch.long)
+        self.overlap = zeros(torch.float64) if overlap else None
+        self.tv = zeros(torch.float64) if tv else None
+        self.per_round: list[torch.Tensor] = []
+        self.draft_len: list[int] = []
+
+    def count(self, n_acc: torch.Tensor, active: torch.Tensor, k: int) -> torch.Tensor:
+        """Record a round's verdicts; returns reached [B, k]: position i was tested by the rule."""
+        pos = torch.arange(k, device=n_acc.device)
+        reached = (pos <= n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
+        self.proposed[:, :k] += reached
+        self.accepted[:, :k] += (pos < n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
+        self.per_round.append(torch.where(active, n_acc, -1))
+        self.draft_len.append(k)
+        return reached
+
+    def diagnose(self, rule: AcceptanceRule, ps, qs, reached) -> None:
+        """β_t = Σ_x min(p_t, q_t) and the exact TV of the rule's output law: compute a deployment skips."""
+        k = ps.shape[1]
+        if self.overlap is not None:
+            self.overlap[:, :k] += torch.where(reached, torch.minimum(ps, qs).sum(-1).double(), 0.0)
+        if self.tv is not None:
+            tv = 0.5 * (rule.output_law(ps, qs) - qs).abs().sum(-1)
+            self.tv[:, :k] += torch.where(reached, tv.double(), 0.0)
+
+    def rows(self, counts: list[int], tv_is_zero: bool) -> list[dict]:
+        """One dict per row (the DecodeResult.rows contract); the only device reads of the decode's stats."""
+        per_round = torch.stack(self.per_round, 1).tolist() if self.per_round else [[] for _ in counts]
+        proposed, accepted = self.proposed.tolist(), self.accepted.tolist()
+        overlap = self.overlap.tolist() if self.overlap is not None else [None] * len(counts)
+        k_max = self.proposed.shape[1]
+        if self.tv is not None:
+            tv = self.tv.tolist()
+        else:
+            tv = [[0.0] * k_max if tv_is_zero else None for _ in counts]
+        rows = []
+        for b, n_tokens in enumerate(counts):
+            live = [r for r, n in enumerate(per_round[b]) if n >= 0]
+            rows.append({
+                "rounds": len(live), "target_calls": len(live),
+                "draft_calls": sum(self.draft_len[r] for r in live), "tokens": n_tokens,
+                "proposed": proposed[b], "accepted": accepted[b], "overlap_sum": overlap[b], "tv_sum": tv[b],
+                "accepted_per_round": [per_round[b][r] for r in live],
+                "draft_len_per_round": [self.draft_len[r] for r in live],
+            })  # fmt: skip
+        return rows
+
+
+def _batch_stats(stats: DecodeStats, rows: list[dict], tally: _Tally) -> None:
+    """The batch-level sums of the per-row counts."""
+
+    def total(key):
+        if any(row[key] is None for row in rows):
+            return None
+        return [sum(values) for values in zip(*(row[key] for row in rows))]
+
+    stats.tokens = sum(row["tokens"] for row in rows)
+    stats.proposed, stats.accepted = total("proposed"), total("accepted")
+    stats.overlap_sum, stats.tv_sum = total("overlap_sum"), total("tv_sum")
+    by_round = torch.stack(tally.per_round).tolist() if tally.per_round else []
+    stats.accepted_per_round = [[n for n in r if n >= 0] for r in by_round]
+    stats.draft_len_per_round = list(tally.draft_len)
+
+
 def decode_speculative(
     target: SpeechLM,
     draft: SpeechLM,
@@ -281,7 +425,8 @@ def decode_speculative(
     min_len=0,
     draft_sampling: SamplingConfig | None = None,
     adaptive: AdaptiveDraftLength | None = None,
-    generator: torch.Generator | None = None,
+    generator: RowRandom | torch.Generator | None = None,
+    diagnostics: bool = True,
     track_tv: bool | None = None,
     verify_rows: int | None = None,
     propose: Callable = _draft_token,
@@ -290,8 +435,14 @@ def decode_speculative(
     """Speculative decoding of `target` with `draft`, verified by `rule`.
 
     sampling: the target's law (also the draft's unless draft_sampling is given).
-    track_tv: log the exact per-step TV between the rule's output law and q
-              (default: on for inexact rules whose law is O(V) to compute, e.g. tolerance β > 0).
+    generator: one random stream per row. With a RowRandom, row b gets exactly the tokens and per-row
+              stats it gets decoded alone with its seed (a fixed draft_len; adaptive k is shared by the
+              batch, so adaptive decoding accepts batch 1 only). A torch.Generator or None seeds fresh streams.
+    diagnostics: compute β_t overlaps and (see track_tv) the exact TV, timed apart in stats.time_diagnostics
+              (not in time_total); off, overlap_sum is None and TV is not computed.
+    track_tv: log the exact per-step TV between the rule's output law and q (default: on for rules that do
+              not preserve q and whose law is O(V) to compute, e.g. tolerance β > 0, greedy). Untracked TV is
+              None, or 0 for a rule that preserves the target law.
     verify_rows: pad every verify call to this many rows (filler rows are rolled back unread).
               On CPUs a matmul of 8 rows can cost less than one of 4-5 (docs/cpu-physics.md);
               `scripts/bench_decoding.py --verify-rows 8` measures whether it pays on yours.
@@ -299,14 +450,20 @@ def decode_speculative(
               propose(cfg, logits, window, step, min_len, generator) -> (draft token, the law it was drawn
               from); history_windows(last_window, draft_tokens, W) -> the RAS history [B, k+1, W] of each
               verified position (the generated tokens extended by the earlier draft tokens).
+    Host syncs: one per round (the "all rows done?" check, which also carries adaptive's verdict); the
+    statistics are read once at the end.
     """
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"draft and target speak different vocabularies ({draft.vocab_size} vs {target.vocab_size} head "
             "entries): build the draft from this target (ssd.models.draft.build_draft)"
         )
+    if track_tv and not diagnostics:
+        raise ValueError("track_tv=True needs diagnostics=True (TV is a diagnostic): drop one of them")
     draft_sampling = draft_sampling or sampling
-    track_tv = (not rule.exact and getattr(rule, "cheap_output_law", False)) if track_tv is None else track_tv
+    if track_tv is None:
+        track_tv = not rule.preserves_target_law and getattr(rule, "cheap_output_law", False)
+    track_tv = track_tv and diagnostics
     stats = DecodeStats()
     k_max = adaptive.max_len if adaptive else draft_len
     # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.
@@ -314,86 +471,87 @@ def decode_speculative(
     cache_t, logits_t = target.prefill(prompt, room)
     cache_d, _ = draft.prefill(prompt, room)
     device, batch = logits_t.device, logits_t.shape[0]
+    if adaptive and batch > 1:
+        raise ValueError(
+            f"adaptive draft length shares one k across the batch, so a row's tokens would depend on the "
+            f"other rows: decode adaptive runs one utterance at a time (got a batch of {batch}), or set a "
+            "fixed draft_len"
+        )
+    generator = RowRandom.of(generator, batch, device)
     clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
+    tally = _Tally(batch, k_max, device, overlap=diagnostics, tv=track_tv)
     logits_d = logits_v = None
 
     def latest() -> dict:  # the logits each model gave last (read only after a sampling failure)
         return {"draft": logits_d, "target": logits_v if logits_v is not None else logits_t}
 
-    with _naming_non_finite_logits(latest, out):
-        first = _first_token(logits_t, sampling, out, min_len, generator)  # exact: q of the prompt
-        pending_t, pending_d = first.unsqueeze(-1), first.unsqueeze(-1)
-        stats.time_prefill = clock.lap()
-        k = draft_len
-        rows = torch.arange(batch, device=device)
+    first = _first_token(logits_t, sampling, out, min_len, generator)  # exact: q of the prompt
+    pending_t, pending_d = first.unsqueeze(-1), first.unsqueeze(-1)
+    (finished,) = out.sync(latest)
+    clock.lap("prefill")
+    k = draft_len
+    rows = torch.arange(batch, device=device)
 
-        while not out.done.all():
-            active = ~out.done
-            window, step = out.last_window(), out.count
-            # Draft k tokens.
-            logits_d = draft.extend(cache_d, pending_d)[:, -1]
-            xs, ps = [], []
-            for i in range(k):
-                hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
-                x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
-                xs.append(x)
-                ps.append(p)
-                if i < k - 1:
-                    logits_d = draft.extend(cache_d, x.unsqueeze(-1))[:, -1]
-            stats.draft_calls += k
-            xs, ps = torch.stack(xs, 1), torch.stack(ps, 1)
-            stats.time_draft += clock.lap()
+    while not finished:
+        active = ~out.done
+        window, step = out.last_window(), out.count
+        # Draft k tokens.
+        logits_d = draft.extend(cache_d, pending_d)[:, -1]
+        xs, ps = [], []
+        for i in range(k):
+            hist = history_windows(window, torch.stack(xs, 1) if xs else window[:, :0], sampling.window)
+            x, p = propose(draft_sampling, logits_d, hist[:, -1], step + i, min_len, generator)
+            xs.append(x)
+            ps.append(p)
+            if i < k - 1:
+                logits_d = draft.extend(cache_d, x.unsqueeze(-1))[:, -1]
+        stats.draft_calls += k
+        xs, ps = torch.stack(xs, 1), out.watch(torch.stack(ps, 1))
+        clock.lap("draft")
 
-            # Verify all k in one target call.
-            block = torch.cat([pending_t, xs], 1)
-            pad = max(0, (verify_rows or 0) - (k + 1))
-            if pad:
-                block = torch.cat([block, xs[:, -1:].expand(-1, pad)], 1)
-            logits_v = target.extend(cache_t, block)[:, : k + 1].to(torch.float32)
-            stats.target_calls += 1
-            vocab = logits_v.shape[-1]
-            steps = (step.unsqueeze(-1) + torch.arange(k + 1, device=device)).reshape(-1)
-            qs = distribution(
-                sampling,
-                logits_v.reshape(-1, vocab),
-                history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
-                steps,
-                min_len.repeat_interleave(k + 1),
-            ).reshape(batch, k + 1, vocab)
-            stats.time_verify += clock.lap()
+        # Verify all k in one target call.
+        block = torch.cat([pending_t, xs], 1)
+        pad = max(0, (verify_rows or 0) - (k + 1))
+        if pad:
+            block = torch.cat([block, xs[:, -1:].expand(-1, pad)], 1)
+        logits_v = target.extend(cache_t, block)[:, : k + 1].to(torch.float32)
+        stats.target_calls += 1
+        vocab = logits_v.shape[-1]
+        steps = (step.unsqueeze(-1) + torch.arange(k + 1, device=device)).reshape(-1)
+        qs = distribution(
+            sampling,
+            logits_v.reshape(-1, vocab),
+            history_windows(window, xs, sampling.window).reshape(batch * (k + 1), -1),
+            steps,
+            min_len.repeat_interleave(k + 1),
+        ).reshape(batch, k + 1, vocab)
+        out.watch(qs)
+        clock.lap("verify")
 
-            n_acc, y = rule.verify(ps, qs, xs, generator)
-            n_acc = torch.where(active, n_acc, 0)
-            _record_round(stats, rule, ps, qs[:, :k], n_acc, active, k, track_tv)
-            block = torch.cat([xs, y.unsqueeze(-1)], 1)
-            block[rows, n_acc] = y
-            out.emit(block, n_acc + 1)
+        n_acc, y = rule.verify(ps, qs, xs, generator)
+        n_acc = torch.where(active, n_acc, 0)
+        stats.rounds += 1
+        reached = tally.count(n_acc, active, k)
+        block = torch.cat([xs, y.unsqueeze(-1)], 1)
+        block[rows, n_acc] = y
+        out.emit(block, n_acc + 1)
 
-            target.rollback(cache_t, k - n_acc + pad)
-            draft.rollback(cache_d, k - n_acc)
-            before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
-            pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
-            stats.time_accept += clock.lap()
-            if adaptive:
-                k = adaptive.next(k, bool((n_acc[active] == k).all()))
-    stats.tokens = int(out.count.sum())
-    return DecodeResult(out.tokens(), out.reason, stats)
-
-
-def _record_round(stats, rule, ps, qs, n_acc, active, k, track_tv) -> None:
-    stats.rounds += 1
-    stats.draft_len_per_round.append(k)
-    stats.accepted_per_round.append(n_acc[active].tolist())
-    stats._grow(k)
-    # Position i was tested by the rule iff tokens before it were kept: i <= n_acc.
-    reached = (torch.arange(k, device=n_acc.device) <= n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
-    kept = (torch.arange(k, device=n_acc.device) < n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
-    overlap = torch.minimum(ps, qs).sum(-1)
-    tv = 0.5 * (rule.output_law(ps, qs) - qs).abs().sum(-1) if track_tv else torch.zeros_like(overlap)
-    for i in range(k):
-        stats.proposed[i] += int(reached[:, i].sum())
-        stats.accepted[i] += int(kept[:, i].sum())
-        stats.overlap_sum[i] += float(overlap[:, i][reached[:, i]].sum())
-        stats.tv_sum[i] += float(tv[:, i][reached[:, i]].sum())
+        target.rollback(cache_t, k - n_acc + pad)
+        draft.rollback(cache_d, k - n_acc)
+        before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
+        pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
+        if adaptive:  # its verdict rides on the round's one sync
+            finished, all_kept = out.sync(latest, ((n_acc == k) | ~active).all())
+            k = adaptive.next(k, all_kept)
+        else:
+            (finished,) = out.sync(latest)
+        clock.lap("accept")
+        if diagnostics:
+            tally.diagnose(rule, ps, qs[:, : ps.shape[1]], reached)
+            clock.lap("diagnostics")
+    clock.write(stats)
+    result_rows = tally.rows(out.count.tolist(), tv_is_zero=rule.preserves_target_law)
+    _batch_stats(stats, result_rows, tally)
+    return DecodeResult(out.tokens(), out.reasons(), stats, result_rows)

@@ -52,6 +52,18 @@ class RowRandom:
         seeds = torch.randint(0, 2**62, (batch,), generator=generator, device="cpu")
         return cls(seeds, device)
 
+    @classmethod
+    def of(cls, source: RowRandom | torch.Generator | None, batch: int, device=None) -> RowRandom:
+        """`source` as row streams for `batch` rows: a RowRandom as it is (its batch must match), a
+        torch.Generator (or None: torch's global RNG) seeds fresh streams."""
+        if not isinstance(source, RowRandom):
+            return cls.from_generator(source, batch, device)
+        if source.batch != batch:
+            raise ValueError(
+                f"the RowRandom has {source.batch} row streams but the batch has {batch} rows: give one seed per row"
+            )
+        return source
+
     @property
     def batch(self) -> int:
         return self.keys.shape[0]

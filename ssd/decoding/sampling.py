@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ssd.decoding.rng import RowRandom
+
 NUCLEUS_RULES = ("hf", "cosyvoice")
 RAS_VARIANTS = ("classic", "exclude_repeated")
 EOS_MODES = ("mask", "resample")
@@ -177,6 +179,16 @@ def _ras(cfg: SamplingConfig, nucleus: torch.Tensor, probs: torch.Tensor, window
     return kept + probs * (weight.sum(-1, keepdim=True) - weight)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from probabilities [N, V] -> LongTensor [N]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from probabilities [N, V] -> LongTensor [N], by inverse CDF of one uniform per row.
+
+    Row n uses one number of ITS OWN stream (`RowRandom` row n), so its token does not depend on the
+    other rows; a torch.Generator (or None) seeds fresh row streams. Rows need not sum to 1.
+    """
+    rows = RowRandom.of(generator, probs.shape[0], probs.device)
+    u = rows.uniform(1, dtype=probs.dtype)
+    cdf = probs.cumsum(-1)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    # u * total can round up to total: never step past the last token that has mass.
+    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
+    return torch.minimum(token, last_with_mass)
