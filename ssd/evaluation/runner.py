@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -209,7 +210,8 @@ def load_models(cfg: DictConfig) -> EvalModels:
 # --------------------------------------------------------------------------------------------------
 
 # A record's batch-1 timing (None for an item of a batch that was not timed alone).
-LATENCY_KEYS = ("lm_time", "rtf", "time_prefill", "time_draft", "time_verify", "time_accept", "e2e_rtf")
+LATENCY_KEYS = ("lm_time", "rtf", "time_prefill", "time_draft", "time_verify", "time_accept", "time_diagnostics",
+                "e2e_rtf")  # fmt: skip
 # Record fields that depend on how the item was timed; every other field is the same at any batch size.
 TIMING_KEYS = (*LATENCY_KEYS, "vocoder_time", "decode_time_share")
 
@@ -272,7 +274,8 @@ def _timed_decode(cfg: DictConfig, m: EvalModels, items: list[Item]):
         except FloatingPointError as err:
             raise FloatingPointError(f"utterance(s) {[it.pair.utt for it in items]}: {err}") from err
         _sync(device)
-        return result, (min_len, max_len), time.perf_counter() - start
+        # The engine's diagnostics (β_t overlaps, TV) are bookkeeping a deployment does not run.
+        return result, (min_len, max_len), time.perf_counter() - start - result.stats.time_diagnostics
 
 
 def _item(
@@ -357,16 +360,17 @@ def _latency(record: dict, result, seconds: float) -> dict:
         "lm_time": seconds, "rtf": seconds / audio if audio else None,
         "time_prefill": stats.time_prefill, "time_draft": stats.time_draft,
         "time_verify": stats.time_verify, "time_accept": stats.time_accept,
+        "time_diagnostics": stats.time_diagnostics,
         "e2e_rtf": (seconds + record["vocoder_time"]) / audio if audio else None,
     }  # fmt: skip
 
 
-def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_utts: int | None):
+def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_utts: float):
     """Decode `items` at once, then vocode and judge each; returns [(record, waveform)] in item order.
 
-    LM-RTF stays batch-1 latency: at batch 1 the decode itself is timed; in a bigger batch the items among
-    the first `latency_utts` of the test list are decoded again alone (timed), and their tokens must equal
-    the batched ones. Every record holds `decode_time_share` (the batched decode's time / its rows: the
+    LM-RTF stays batch-1 latency, measured on the items among the first `latency_utts` of the test list: a
+    batch of one is its own timing; in a bigger batch they are decoded again alone (timed), and their
+    tokens must equal the batched ones. Every record holds `decode_time_share` (the batched decode's time / its rows: the
     throughput numbers)."""
     result, (min_lens, max_lens), seconds = _timed_decode(cfg, m, items)
     out = []
@@ -375,9 +379,9 @@ def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_ut
         record, wav = _judge(cfg, m, item, tokens, result.finish_reason[b], result.rows[b],
                              (min_lens[b], max_lens[b]))  # fmt: skip
         record.update(dict.fromkeys(LATENCY_KEYS), decode_time_share=seconds / len(items))
-        if len(items) == 1:
+        if item.index < latency_utts and len(items) == 1:
             record.update(_latency(record, result, seconds))
-        elif latency_utts is None or item.index < latency_utts:
+        elif item.index < latency_utts:
             alone, _, alone_seconds = _timed_decode(cfg, m, [item])
             if alone.tokens[0] != tokens:
                 raise RuntimeError(
@@ -493,7 +497,8 @@ def _run_loop(cfg, models, items, batch_size, records, results_path, audio_dir, 
     judged, so an interrupted run resumes at utterance granularity."""
     from tqdm.auto import tqdm
 
-    latency_utts = cfg.eval.get("latency_utts")
+    latency = cfg.eval.get("latency_utts")
+    latency_utts = math.inf if batch_size == 1 or latency is None else int(latency)  # items timed alone
     bar = tqdm(total=len(items), desc=f"eval {cfg.decoding.mode}", unit="utt",
                disable=not cfg.get("progress", True))  # fmt: skip
     for start in range(0, len(items), batch_size):
