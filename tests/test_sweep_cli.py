@@ -188,7 +188,7 @@ def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_base
             "beta=0,0.4", "draft_len=2", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
     out = run_sweep(args)
     assert out.returncode == 0, out.stderr[-3000:]
-    (baseline,) = (sweep_dir / BASELINES_DIR).iterdir() if (sweep_dir / BASELINES_DIR).is_dir() else [None]
+    (baseline,) = _job_dirs(sweep_dir / BASELINES_DIR)  # one AR run for both settings
     ar = json.loads((baseline / METRICS_FILE).read_text())
     assert ar["decoding"] == "ar" and ar["num_utterances"] == 3
     ar_records = {r["utt"]: r for r in read_records(baseline / RESULTS_FILE)}
