@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from ssd.decoding.sampling import sample
+
 
 class ThresholdRule:
     """Keep draft token x while q(x) >= gamma; the next token is drawn from q at the first rejected
     position (or the bonus position). Not exact: a toy rule for the plugin test."""
 
     name = "threshold"
-    exact = False
+    preserves_target_law = False
+    deterministic = False
 
     def __init__(self, gamma: float = 0.1) -> None:
         self.gamma = float(gamma)
@@ -29,4 +32,4 @@ class ThresholdRule:
         keep = q[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1) >= self.gamma
         n_acc = keep.long().cumprod(-1).sum(-1)
         law = q[torch.arange(batch, device=x.device), n_acc]
-        return n_acc, torch.multinomial(law, 1, generator=generator).squeeze(-1)
+        return n_acc, sample(law, generator)  # one number of each row's own stream

@@ -217,3 +217,32 @@ def test_pcg_takes_its_groups_from_the_target_it_is_bound_to():
     bound = PCGRule(theta=0.9).bind(Target())
     direct = PCGRule(emb, theta=0.9)
     assert torch.equal(bound.neighbors, direct.neighbors) and bound.group_size.tolist() == [2] * 8
+
+
+def _rules_for_streams():
+    rule, *_ = pcg_setup()
+    return [ExactRule(), ToleranceRule(beta=0.4), GreedyRule(), TargetOnlyRule(), TypicalRule(), rule]
+
+
+@pytest.mark.parametrize("rule", _rules_for_streams(), ids=repr)
+def test_verify_draws_a_fixed_count_per_row_and_a_row_verifies_as_alone(rule):
+    """Whatever the verdicts (rows here accept 0..k), every row consumes its stream by the same count,
+    and row b's verdict in a batch equals its verdict alone: what batched decoding relies on."""
+    from ssd.decoding.rng import RowRandom
+
+    k, n = 3, 64
+    vocab = rule.vocab_size if isinstance(rule, PCGRule) else VOCAB
+    p, q = laws(4, n=n * (k + 1), vocab=vocab)
+    p, q = p.float().reshape(n, k + 1, vocab)[:, :k], q.float().reshape(n, k + 1, vocab)
+    x = torch.multinomial(p.reshape(-1, vocab), 1, generator=torch.Generator().manual_seed(0)).reshape(n, k)
+    seeds = list(range(100, 100 + n))
+    batch_rng = RowRandom(seeds)
+    n_acc, token = rule.verify(p, q, x, batch_rng)
+    assert len(set(n_acc.tolist())) > 1  # the verdicts differ between rows
+    for b in (0, 17, n - 1):
+        alone = RowRandom([seeds[b]])
+        n_b, token_b = rule.verify(p[b : b + 1], q[b : b + 1], x[b : b + 1], alone)
+        assert (n_b.item(), token_b.item()) == (n_acc[b].item(), token[b].item())
+        assert alone.drawn == batch_rng.drawn
+    if isinstance(rule, PCGRule):
+        assert batch_rng.drawn == 2 * k + 3 * rule.max_thinning_trials + 3

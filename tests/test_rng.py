@@ -49,3 +49,36 @@ def test_uniforms_are_uniform_and_a_biased_control_is_rejected():
     pairs = RowRandom(range(200)).uniform(2, torch.float64).numpy()
     assert abs(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1]) < 0.25
     assert abs(np.corrcoef(pairs[:-1, 0], pairs[1:, 0])[0, 1]) < 0.25
+
+
+def test_of_keeps_row_streams_and_seeds_new_ones_from_a_generator():
+    rng = RowRandom([1, 2])
+    assert RowRandom.of(rng, 2) is rng
+    a = RowRandom.of(torch.Generator().manual_seed(5), 3)
+    b = RowRandom.of(torch.Generator().manual_seed(5), 3)
+    assert a.seeds == b.seeds and len(set(a.seeds)) == 3
+    try:
+        RowRandom.of(rng, 3)
+    except ValueError as err:
+        assert "2 row streams but the batch has 3 rows" in str(err)
+    else:
+        raise AssertionError("a RowRandom of the wrong batch was accepted")
+
+
+def test_sample_draws_each_row_from_its_own_stream_and_never_a_zero_mass_token():
+    from ssd.decoding.sampling import sample
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    batched = RowRandom([7, 8, 9])
+    tokens = torch.stack([sample(probs, batched) for _ in range(400)], 1)
+    assert set(tokens[0].tolist()) == {1, 3} and set(tokens[2].tolist()) == {4}
+    alone = RowRandom([8])
+    assert torch.equal(torch.stack([sample(probs[1:2], alone) for _ in range(400)], 1)[0], tokens[1])
+    # u just below 1: the largest uniform never steps past the last token with mass (trailing zeros here)
+    edge = RowRandom([0])
+    edge.uniform = lambda n=1, dtype=torch.float32: torch.full((1, n), 1 - 2**-24, dtype=dtype)
+    assert sample(probs[:1], edge).item() == 3
+    # the law: a chi-square fit, and a shifted law as the negative control
+    counts = np.bincount(tokens[1].numpy(), minlength=5)
+    assert stats.chisquare(counts).pvalue > 1e-3
+    assert stats.chisquare(counts, [100, 100, 100, 40, 60]).pvalue < 1e-3

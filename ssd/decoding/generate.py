@@ -148,10 +148,16 @@ class DecodeResult:
     rows: list[dict] = field(default_factory=list)
 
 
+def _model_device(model) -> torch.device:
+    """Where the model runs, known before its first call (the clock starts before prefill); a model
+    without a `device` attribute is timed as a CPU model."""
+    return torch.device(getattr(model, "device", "cpu"))
+
+
 class _Clock:
     """Phase timer without host syncs: CUDA events on GPU (read once, in `totals`), perf_counter on CPU.
 
-    `lap(phase)` charges the time since the previous lap to `phase`.
+    Starts before prefill; `lap(phase)` charges the time since the previous lap to `phase`.
     """
 
     def __init__(self, device: torch.device):
@@ -274,10 +280,10 @@ def decode_ar(
     torch.Generator or None seeds fresh streams). One host sync per token (the "all rows done?" check).
     """
     stats = DecodeStats()
+    clock = _Clock(_model_device(model))
     cache, logits = model.prefill(prompt, int(torch.as_tensor(max_len).max()) + 1)
     device, batch = logits.device, logits.shape[0]
     generator = RowRandom.of(generator, batch, device)
-    clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
     calls = torch.zeros(batch, dtype=torch.long, device=device)  # model calls while each row was active
@@ -377,6 +383,7 @@ class _Tally:
     def rows(self, counts: list[int], tv_is_zero: bool) -> list[dict]:
         """One dict per row (the DecodeResult.rows contract); the only device reads of the decode's stats."""
         per_round = torch.stack(self.per_round, 1).tolist() if self.per_round else [[] for _ in counts]
+        self.by_round = [list(r) for r in zip(*per_round)]  # [round][row], for the batch-level stats
         proposed, accepted = self.proposed.tolist(), self.accepted.tolist()
         overlap = self.overlap.tolist() if self.overlap is not None else [None] * len(counts)
         k_max = self.proposed.shape[1]
@@ -398,7 +405,7 @@ class _Tally:
 
 
 def _batch_stats(stats: DecodeStats, rows: list[dict], tally: _Tally) -> None:
-    """The batch-level sums of the per-row counts."""
+    """The batch-level sums of the per-row counts (after `tally.rows`)."""
 
     def total(key):
         if any(row[key] is None for row in rows):
@@ -408,8 +415,7 @@ def _batch_stats(stats: DecodeStats, rows: list[dict], tally: _Tally) -> None:
     stats.tokens = sum(row["tokens"] for row in rows)
     stats.proposed, stats.accepted = total("proposed"), total("accepted")
     stats.overlap_sum, stats.tv_sum = total("overlap_sum"), total("tv_sum")
-    by_round = torch.stack(tally.per_round).tolist() if tally.per_round else []
-    stats.accepted_per_round = [[n for n in r if n >= 0] for r in by_round]
+    stats.accepted_per_round = [[n for n in r if n >= 0] for r in tally.by_round]
     stats.draft_len_per_round = list(tally.draft_len)
 
 
@@ -458,6 +464,11 @@ def decode_speculative(
             f"draft and target speak different vocabularies ({draft.vocab_size} vs {target.vocab_size} head "
             "entries): build the draft from this target (ssd.models.draft.build_draft)"
         )
+    if not hasattr(rule, "preserves_target_law"):
+        raise TypeError(
+            f"acceptance rule {type(rule).__name__} has no preserves_target_law: declare whether its output law "
+            "is the target's q (ssd.contracts.AcceptanceRule)"
+        )
     if track_tv and not diagnostics:
         raise ValueError("track_tv=True needs diagnostics=True (TV is a diagnostic): drop one of them")
     draft_sampling = draft_sampling or sampling
@@ -468,6 +479,7 @@ def decode_speculative(
     k_max = adaptive.max_len if adaptive else draft_len
     # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.
     room = 2 * int(torch.as_tensor(max_len).max()) + max(k_max + 1, verify_rows or 0) + 1
+    clock = _Clock(_model_device(target))
     cache_t, logits_t = target.prefill(prompt, room)
     cache_d, _ = draft.prefill(prompt, room)
     device, batch = logits_t.device, logits_t.shape[0]
@@ -478,7 +490,6 @@ def decode_speculative(
             "fixed draft_len"
         )
     generator = RowRandom.of(generator, batch, device)
-    clock = _Clock(device)
     max_len, min_len = _as_rows(max_len, batch, device), _as_rows(min_len, batch, device)
     out = _Output(batch, max_len, sampling, device)
     tally = _Tally(batch, k_max, device, overlap=diagnostics, tv=track_tv)

@@ -49,7 +49,9 @@ class RowRandom:
     @classmethod
     def from_generator(cls, generator: torch.Generator | None, batch: int, device=None) -> RowRandom:
         """Row streams seeded from a torch.Generator (or torch's global RNG when None)."""
-        seeds = torch.randint(0, 2**62, (batch,), generator=generator, device="cpu")
+        # drawn on the generator's own device (a CUDA generator cannot drive a CPU draw)
+        on = generator.device if generator is not None else "cpu"
+        seeds = torch.randint(0, 2**62, (batch,), generator=generator, device=on)
         return cls(seeds, device)
 
     @classmethod
@@ -61,6 +63,11 @@ class RowRandom:
         if source.batch != batch:
             raise ValueError(
                 f"the RowRandom has {source.batch} row streams but the batch has {batch} rows: give one seed per row"
+            )
+        if device is not None and source.keys.device.type != torch.device(device).type:
+            raise ValueError(
+                f"the RowRandom lives on {source.keys.device} but the decode runs on {device}: build it with "
+                f"RowRandom(seeds, device={str(device)!r})"
             )
         return source
 
