@@ -374,3 +374,30 @@ def test_the_ar_baseline_key_ignores_the_speculative_setting_only(micro_world):
     for other in (["seed=1"], ["target.sampling.top_k=5"]):
         assert baseline_key(_cfg(micro_world, *other)) != key, other
     assert baseline_key(_cfg(micro_world, n_utts=5)) != key
+
+
+def test_concurrent_jobs_run_the_shared_baseline_once(micro_world, tmp_path, monkeypatch):
+    """Two jobs of a parallel sweep ask for the same AR baseline at once: one runs it under the lock, the
+    other waits and reuses its metrics.json (the lock is a flock, so two threads contend like two processes)."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow_ar_run(cfg, run_dir):
+        calls.append(cfg.decoding.mode)
+        time.sleep(0.5)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / METRICS_FILE).write_text("{}")
+
+    monkeypatch.setattr(runner, "evaluate", slow_ar_run)
+    cfgs = [_cfg(micro_world, "beta=0"), _cfg(micro_world, "beta=0.4", "draft_len=2")]
+    found = []
+    threads = [
+        threading.Thread(target=lambda c=c: found.append(runner.ensure_baseline(c, tmp_path))) for c in cfgs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["ar"] and len(set(found)) == 1 and (found[0] / METRICS_FILE).is_file()

@@ -153,8 +153,9 @@ def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_p
 def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=5, max_len=30)
     run_dir = tmp_path / "run"
+    # Batches of 2: the kill lands between batches, and the resume picks up at utterance granularity.
     cmd = [sys.executable, str(REPO / "sweep.py"), "--config-dir", str(config_dir), "--config-name",
-           "micro_sweep", "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+           "micro_sweep", "logger=none", "eval.batch_size=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = run_dir / RESULTS_FILE
@@ -169,7 +170,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     assert 2 <= len(written) < 5
 
     out = run_sweep(["--config-dir", str(config_dir), "--config-name", "micro_sweep", "logger=none",
-                     f"hydra.run.dir={run_dir}"])  # fmt: skip
+                     "eval.batch_size=2", f"hydra.run.dir={run_dir}"])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     final = read_records(results)
     utts = [r["utt"] for r in final]
