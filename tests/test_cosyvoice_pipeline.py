@@ -289,7 +289,7 @@ class _CeilTokenizer:
 
 @pytest.mark.usefixtures("isolated_imports")
 def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny_cosyvoice2_dir):
-    from ssd.evaluation.runner import EvalModels, _prompt_for
+    from ssd.evaluation.runner import EvalModels, _item, lm_prompt
     from ssd.models.cosyvoice2 import CosyVoice2LM
 
     wav_path = tmp_path / "prompt.wav"
@@ -300,15 +300,19 @@ def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny
         speech_tokenizer=_CeilTokenizer(), vocoder=vocoder, asr=None,
         speaker=SimpleNamespace(embed=lambda wav, sr: np.ones(4, np.float32)), language=None,
     )  # fmt: skip
-    pair = SimpleNamespace(prompt_utt="p1", prompt_wav=wav_path, prompt_text="lay green", text="bin blue")
+    pair = SimpleNamespace(
+        utt="u1", prompt_utt="p1", prompt_wav=wav_path, prompt_text="lay green", text="bin blue"
+    )
     cache = {}
-    prompt, _, vprompt, _ = _prompt_for(OmegaConf.create({"eval": {}}), models, pair, cache)
+    cfg = OmegaConf.create({"eval": {}, "seed": 0})
+    item = _item(cfg, models, 0, pair, None, cache)
+    prompt, vprompt = lm_prompt(models, [item]), item.vprompt
     raw = _CeilTokenizer().encode(_prompt_wav(), PROMPT_SR)
     assert raw.size == RAW_PROMPT_TOKENS
     np.testing.assert_array_equal(vprompt.tokens, raw[:UPSTREAM_PROMPT_TOKENS])
     assert prompt.speech_ids[0].tolist() == vprompt.tokens.tolist()  # the LM sees what the flow sees
     assert vocoder.vocode(np.zeros(NEW_TOKENS, np.int64), vprompt).shape == (48_000,)
-    _prompt_for(OmegaConf.create({"eval": {}}), models, pair, cache)  # the second item with this prompt
+    _item(cfg, models, 1, pair, None, cache)  # the second item with this prompt
     assert len(sys.modules["cosyvoice.cli.frontend"].CALLS) == 1
 
 

@@ -227,14 +227,20 @@ class Item:
     seed: int
 
 
+def lm_prompt(m: EvalModels, items: list[Item]) -> Any:
+    """The target's prompt batch for `items`, from the prompt tokens as the vocoder prepared them (so the LM
+    and the vocoder condition on the same prompt tokens)."""
+    return m.target.make_prompt([it.pair.text for it in items], [it.pair.prompt_text for it in items],
+                                [it.vprompt.tokens.tolist() for it in items])  # fmt: skip
+
+
 def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int | None = None):
     """Decode `items` as one batch (ragged prompts, per-row seeds and length limits); returns
     (result, min_len [B], max_len [B]). `max_tokens` caps the length (the warm-up's short decode)."""
     from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
     from ssd.decoding.rng import RowRandom
 
-    prompt = m.target.make_prompt([it.pair.text for it in items], [it.pair.prompt_text for it in items],
-                                  [it.vprompt.tokens.tolist() for it in items])  # fmt: skip
+    prompt = lm_prompt(m, items)
     min_len, max_len = (torch.as_tensor(t, dtype=torch.long).cpu() for t in m.target.length_limits(prompt))
     cap = cfg.eval.get("max_len") if max_tokens is None else max_tokens
     if cap is not None:
