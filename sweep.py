@@ -1,6 +1,8 @@
 """Evaluate decoding settings: `python sweep.py -m beta=0,0.2,0.4 draft_len=2,3,4`.
 
 A thin Hydra entry point; the work is in ssd.evaluation.runner (configs/sweep.yaml documents the keys).
+A multirun without decoding=ar also runs (once) the matching AR baseline into <sweep dir>/baselines/, so
+the table at the end has the speedup and ΔWER vs AR of every setting.
 On a fresh clone the toy world that the default target reads is built first (once, announced).
 """
 

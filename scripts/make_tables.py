@@ -3,7 +3,10 @@
 python scripts/make_tables.py <sweep dir>                       # table.{md,tex,csv} + fig_*.png
 python scripts/make_tables.py <test sweep> --select-on <dev sweep>
     # choose beta / L_d on the dev sweep (fastest setting whose WER CI overlaps AR's), report it on test
-python scripts/make_tables.py <sweep dir> --baseline <AR run dir>  # speedup vs a run outside the sweep
+python scripts/make_tables.py <sweep dir> --baseline <AR run dir>  # speedup, ΔWER vs a run outside the sweep
+
+Speedup and ΔWER vs AR (paired, 95% CI) come from each run's own AR baseline (metrics.json baseline_dir:
+a sweep's jobs run it into <sweep dir>/baselines/), else from the sweep's decoding=ar runs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("sweep_dir", type=Path)
-    parser.add_argument("--baseline", type=Path, default=None, help="AR run dir to compute speedups against")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="AR run dir to compute speedups and ΔWER against"
+    )
     parser.add_argument(
         "--select-on",
         type=Path,

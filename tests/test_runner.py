@@ -19,7 +19,7 @@ from ssd.evaluation.run_dir import (
     TEST_LIST_FILE,
     read_records,
 )
-from ssd.evaluation.runner import evaluate, utterance_seed, wrong_sentence_texts
+from ssd.evaluation.runner import TIMING_KEYS, baseline_key, evaluate, utterance_seed, wrong_sentence_texts
 from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
 from ssd.evaluation.wandb_mirror import wandb_settings
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
@@ -201,6 +201,8 @@ def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):
             "min_len=5 and max_len=2",
         ),
         ("eval.n_utts=0", "eval.n_utts=0 must be >= 1"),
+        ("eval.batch_size=0", "eval.batch_size=0 must be >= 1"),
+        ("eval.latency_utts=0", "eval.latency_utts=0 must be >= 1 or null"),
     ],
 )
 def test_out_of_range_settings_are_named_before_any_model_loads(
@@ -275,3 +277,127 @@ def test_wandb_mode_is_online_only_with_a_key_or_an_explicit_choice(monkeypatch)
     assert wandb_mode() == "offline" and wandb_mode(mode="disabled") == "disabled"
     monkeypatch.setenv("WANDB_MODE", "online")
     assert wandb_mode(offline=False) == "online" and wandb_mode() == "online"
+
+
+# --- batched evaluation, timing, compile ----------------------------------------------------------------
+
+
+def _without_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+@pytest.mark.parametrize("mode", [[], ["decoding=ar"]], ids=["speculative", "ar"])
+def test_a_batched_run_writes_the_records_of_batch_1(micro_world, tmp_path, mode):
+    """Ragged batches (4 items as 3 + 1), per-row seeds and limits: every record but its timing is the same
+    as at batch 1 (tokens bit for bit, hence WER, SIM and acceptance); the first latency_utts items are timed
+    alone, the rest carry only their share of the batched decode."""
+    one = evaluate(_cfg(micro_world, *mode, "eval.batch_size=1", n_utts=4), tmp_path / "b1")
+    three = evaluate(
+        _cfg(micro_world, *mode, "eval.batch_size=3", "eval.latency_utts=2", n_utts=4), tmp_path / "b3"
+    )
+    r1, r3 = read_records(tmp_path / "b1" / RESULTS_FILE), read_records(tmp_path / "b3" / RESULTS_FILE)
+    assert len(r1) == len(r3) == 4 and len({len(r["tokens"]) for r in r1}) > 1  # rows of different lengths
+    # β_t overlaps and TV are float sums of laws from batched matmuls: equal to float32 rounding only.
+    floats = ("overlap_sum", "tv_sum")
+    assert [{k: v for k, v in r.items() if k not in floats} for r in _without_timing(r3)] == [
+        {k: v for k, v in r.items() if k not in floats} for r in _without_timing(r1)
+    ]
+    for a, b in zip(r1, r3):
+        for key in floats:
+            assert (a[key] is None) == (b[key] is None) and np.allclose(a[key] or [], b[key] or [], rtol=1e-5)
+    for key in ("wer", "wer_ci", "sim", "acceptance_rate", "alpha_per_position", "tokens", "slot_accuracy"):
+        assert json.dumps(three[key]) == json.dumps(one[key]), key  # NaN (AR's acceptance) equals NaN
+    assert [r["lm_time"] is not None for r in r3] == [True, True, False, False]
+    assert all(r["lm_time"] is not None and r["decode_time_share"] == r["lm_time"] for r in r1)
+    assert one["batch_size"] == 1 and three["batch_size"] == 3
+    assert three["latency_utterances"] == 2 and one["latency_utterances"] == 4
+    shares = [r["decode_time_share"] for r in r3]
+    assert shares[0] == shares[1] == shares[2] != shares[3]  # one batched decode of 3, one of 1
+    assert three["throughput_utts_per_sec"] == pytest.approx(4 / sum(shares))
+
+
+def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_path, monkeypatch):
+    """The latency items are decoded twice (batched, then alone): tokens that differ mean the engine is not
+    batch-invariant, and the run stops instead of writing records that depend on the batch."""
+    decode = runner._decode
+
+    def alone_differs(cfg, m, items, max_tokens=None):
+        result, lo, hi = decode(cfg, m, items, max_tokens)
+        if len(items) == 1 and max_tokens is None:
+            result.tokens[0] = result.tokens[0][:-1]
+        return result, lo, hi
+
+    monkeypatch.setattr(runner, "_decode", alone_differs)
+    with pytest.raises(RuntimeError, match="not batch-invariant.*eval.batch_size=1"):
+        evaluate(_cfg(micro_world, "eval.batch_size=2", "eval.latency_utts=1", n_utts=2), tmp_path / "run")
+    assert not (tmp_path / "run" / RESULTS_FILE).exists()  # nothing batch-dependent was written
+
+
+def test_adaptive_draft_length_runs_at_batch_1_and_says_so(micro_world, tmp_path):
+    metrics = evaluate(_cfg(micro_world, "decoding.adaptive.enabled=true", "eval.batch_size=4", n_utts=2,
+                            max_len=15), tmp_path / "run")  # fmt: skip
+    assert metrics["batch_size"] == 1 and "adaptive" in metrics["batch_note"]
+    assert metrics["latency_utterances"] == 2
+
+
+def test_end_to_end_rtf_adds_the_vocoder_time(micro_world, tmp_path):
+    metrics = evaluate(_cfg(micro_world, n_utts=2), tmp_path / "run")
+    for r in read_records(tmp_path / "run" / RESULTS_FILE):
+        assert r["vocoder_time"] > 0
+        assert r["e2e_rtf"] == pytest.approx((r["lm_time"] + r["vocoder_time"]) / r["audio_sec"])
+    assert metrics["e2e_rtf"] > metrics["lm_rtf"] and 0 < metrics["vocoder_share"] < 1
+
+
+def test_decoding_compile_calls_each_models_compile_decoding(micro_world, tmp_path, monkeypatch):
+    models = runner.load_models(_cfg(micro_world))
+    called = []
+    for model in (models.target, models.draft):
+        monkeypatch.setattr(type(model), "compile_decoding", lambda self: called.append(self), raising=False)
+    evaluate(_cfg(micro_world, "decoding.compile=true", n_utts=1, max_len=10), tmp_path / "run")
+    assert models.target in called and models.draft in called
+    assert compose_sweep_config(["decoding=ar"]).decoding.compile is False  # off unless asked
+
+
+def test_decoding_compile_without_the_method_is_named(micro_world, tmp_path, monkeypatch, no_decoding):
+    models = runner.load_models(_cfg(micro_world))
+    monkeypatch.delattr(type(models.target), "compile_decoding", raising=False)
+    with pytest.raises(
+        ValueError, match="decoding.compile=true.*target.*compile_decoding.*decoding.compile=false"
+    ):
+        evaluate(_cfg(micro_world, "decoding.compile=true", n_utts=1), tmp_path / "run")
+
+
+def test_the_ar_baseline_key_ignores_the_speculative_setting_only(micro_world):
+    key = baseline_key(_cfg(micro_world))
+    for same in (["beta=0"], ["draft_len=5"], ["acceptance=pcg"], ["decoding.adaptive.enabled=true"]):
+        assert baseline_key(_cfg(micro_world, *same)) == key, same
+    for other in (["seed=1"], ["target.sampling.top_k=5"]):
+        assert baseline_key(_cfg(micro_world, *other)) != key, other
+    assert baseline_key(_cfg(micro_world, n_utts=5)) != key
+
+
+def test_concurrent_jobs_run_the_shared_baseline_once(micro_world, tmp_path, monkeypatch):
+    """Two jobs of a parallel sweep ask for the same AR baseline at once: one runs it under the lock, the
+    other waits and reuses its metrics.json (the lock is a flock, so two threads contend like two processes)."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow_ar_run(cfg, run_dir):
+        calls.append(cfg.decoding.mode)
+        time.sleep(0.5)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / METRICS_FILE).write_text("{}")
+
+    monkeypatch.setattr(runner, "evaluate", slow_ar_run)
+    cfgs = [_cfg(micro_world, "beta=0"), _cfg(micro_world, "beta=0.4", "draft_len=2")]
+    found = []
+    threads = [
+        threading.Thread(target=lambda c=c: found.append(runner.ensure_baseline(c, tmp_path))) for c in cfgs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["ar"] and len(set(found)) == 1 and (found[0] / METRICS_FILE).is_file()

@@ -14,7 +14,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
+from ssd.evaluation.run_dir import BASELINES_DIR, ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
 from tests.fixtures_eval import (
     REPO,
     compose_sweep_config,
@@ -74,7 +74,12 @@ def test_submitit_multirun_renders_from_the_command_line():
 
 
 def _job_dirs(sweep_dir):
-    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The sweep's job dirs (not the shared AR baselines)."""
+    return sorted(
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and p.name != BASELINES_DIR
+    )
 
 
 def test_failed_job_keeps_the_others_and_wandb_runs_offline(micro_world, tmp_path):
@@ -148,8 +153,9 @@ def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_p
 def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=5, max_len=30)
     run_dir = tmp_path / "run"
+    # Batches of 2: the kill lands between batches, and the resume picks up at utterance granularity.
     cmd = [sys.executable, str(REPO / "sweep.py"), "--config-dir", str(config_dir), "--config-name",
-           "micro_sweep", "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+           "micro_sweep", "logger=none", "eval.batch_size=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = run_dir / RESULTS_FILE
@@ -164,10 +170,51 @@ def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     assert 2 <= len(written) < 5
 
     out = run_sweep(["--config-dir", str(config_dir), "--config-name", "micro_sweep", "logger=none",
-                     f"hydra.run.dir={run_dir}"])  # fmt: skip
+                     "eval.batch_size=2", f"hydra.run.dir={run_dir}"])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     final = read_records(results)
     utts = [r["utt"] for r in final]
     assert len(utts) == len(set(utts)) == 5
     assert final[: len(written)] == written
     assert json.loads((run_dir / METRICS_FILE).read_text())["num_utterances"] == 5
+
+
+def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_baseline(micro_world, tmp_path):
+    """The user's command names no decoding=ar: the first job runs the matching AR baseline once into
+    <sweep>/baselines/ (same test list, seeds, target and sampling), the other reuses it, and every job's
+    metrics and the table carry speedup and ΔWER vs AR with its CI. Rerun: nothing is decoded again."""
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=3, max_len=20)
+    sweep_dir = tmp_path / "sweep"
+    args = ["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
+            "beta=0,0.4", "draft_len=2", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    out = run_sweep(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (baseline,) = _job_dirs(sweep_dir / BASELINES_DIR)  # one AR run for both settings
+    ar = json.loads((baseline / METRICS_FILE).read_text())
+    assert ar["decoding"] == "ar" and ar["num_utterances"] == 3
+    ar_records = {r["utt"]: r for r in read_records(baseline / RESULTS_FILE)}
+    for job in _job_dirs(sweep_dir):
+        metrics = json.loads((job / METRICS_FILE).read_text())
+        assert metrics["baseline_dir"] == str(baseline)
+        assert metrics["speedup"] == pytest.approx(ar["lm_rtf"] / metrics["lm_rtf"])
+        assert metrics["paired_utterances"] == 3
+        lo, hi = metrics["wer_delta_vs_ar_ci"]
+        assert lo <= metrics["wer_delta_vs_ar"] <= hi
+        # Same seeds per utterance as the baseline: the prompt's speech is identical.
+        records = read_records(job / RESULTS_FILE)
+        assert [r["seed"] for r in records] == [ar_records[r["utt"]]["seed"] for r in records]
+    header, _, *rows = (sweep_dir / "table.md").read_text().splitlines()
+    assert "speedup" in header and "ΔWER vs AR" in header and "E2E-RTF" in header
+    spec_rows = [row for row in rows if "| speculative |" in row]
+    assert len(spec_rows) == 2 and any(row.startswith(f"| {BASELINES_DIR}/") for row in rows)
+    columns = header.split(" | ")
+    for row in spec_rows:
+        cells = row.split(" | ")
+        assert (
+            cells[columns.index("speedup")] != "-" and cells[columns.index("ΔWER vs AR pts [95% CI]")] != "-"
+        )
+
+    again = run_sweep(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (again.stdout + again.stderr).count("3 already done, 0 to go") == 2
+    assert "AR baseline for the speedup column" not in again.stdout + again.stderr

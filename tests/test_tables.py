@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from ssd.evaluation.metrics import summarize
-from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE
+from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE
 from ssd.evaluation.tables import (
     aggregate,
     display_table,
@@ -51,6 +51,7 @@ def _write_run(run_dir, labels, records):
     run_dir.mkdir(parents=True)
     metrics = {**summarize(records, 200, 0), **labels}
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics))
+    (run_dir / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def make_sweep(root, split, ar_wer=0.10, seed=0):
@@ -204,3 +205,40 @@ def test_make_tables_cli_prints_the_table_and_the_selection(tmp_path):
     assert "chosen on dev" in out.stdout and "'beta': 0.4" in out.stdout and "'draft_len': 2" in out.stdout
     reported = out.stdout.split("reported on test:")[1]
     assert "beta=0.4,draft_len=2" in reported and "beta=0.4,draft_len=3" not in reported
+
+
+def test_the_table_pairs_each_setting_with_ar_on_the_same_utterances(tmp_path):
+    """ΔWER vs AR is a paired difference with a bootstrap CI: the setting built 30 points worse must show
+    ~+30 with a CI above 0, the settings built with AR's WER a CI that contains 0 (negative control)."""
+    sweep = make_sweep(tmp_path / "sweep", "test")
+    table = aggregate(sweep, figures=False)
+    spec = table[table["decoding"] == "speculative"].set_index(["beta", "draft_len"])
+    worse = spec.loc[(0.4, 3)]
+    assert worse["wer_delta_vs_ar"] == pytest.approx(30, abs=8) and worse["wer_delta_vs_ar_ci_lo"] > 10
+    for setting in ((0.0, 2), (0.0, 3), (0.4, 2)):
+        row = spec.loc[setting]
+        assert row["wer_delta_vs_ar_ci_lo"] <= 0 <= row["wer_delta_vs_ar_ci_hi"], setting
+    shown = display_table(table)
+    assert shown["ΔWER vs AR pts [95% CI]"].iloc[0] == "-"  # the AR row itself
+    assert shown["ΔWER vs AR pts [95% CI]"].str.match(r"^-?\d+\.\d \[-?\d+\.\d, -?\d+\.\d\]$").iloc[1:].all()
+    # The run's own baseline (metrics.json from baseline_dir) wins over the sweep's AR for the speedup.
+    own = json.loads((sweep / "beta=0,draft_len=2" / METRICS_FILE).read_text())
+    (sweep / "beta=0,draft_len=2" / METRICS_FILE).write_text(json.dumps({**own, "speedup": 9.5}))
+    assert aggregate(sweep, figures=False).set_index("run").loc["beta=0,draft_len=2", "speedup"] == 9.5
+
+
+def test_e2e_rtf_and_throughput_come_from_the_records():
+    records = [
+        {"utt": "a", "lm_time": 1.0, "vocoder_time": 0.5, "decode_time_share": 0.25, "audio_sec": 2.0,
+         "n_tokens": 50},
+        {"utt": "b", "lm_time": None, "vocoder_time": 0.5, "decode_time_share": 0.25, "audio_sec": 4.0,
+         "n_tokens": 100},
+    ]  # fmt: skip
+    m = summarize(records, 0)
+    assert m["lm_rtf"] == pytest.approx(1.0 / 2.0)  # batch-1 latency: the timed record only
+    assert m["e2e_rtf"] == pytest.approx(1.5 / 2.0)
+    assert m["vocoder_share"] == pytest.approx(0.5 / 1.5) and m["latency_utterances"] == 1
+    assert m["throughput_utts_per_sec"] == pytest.approx(2 / 0.5)
+    assert m["throughput_tokens_per_sec"] == pytest.approx(150 / 0.5)
+    old = [{k: v for k, v in r.items() if k != "vocoder_time"} for r in records]
+    assert np.isnan(summarize(old, 0)["e2e_rtf"])  # not timed: unknown, not "LM time alone"

@@ -4,7 +4,8 @@ Every metric is a ratio of sums or a mean over utterances, so one function compu
 records and the bootstrap simply recomputes it on utterances resampled with replacement (seeded).
 
 A record (one line of `utterances.jsonl`) carries the raw counts needed here:
-  lm_time, audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
+  lm_time (batch-1 LM time; null for an item of a batch that was not timed alone), vocoder_time,
+  decode_time_share (its batched decode's time / the batch's rows), audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
   proposed / accepted / overlap_sum / tv_sum (per draft position), rounds, accepted_total,
   and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}.
 
@@ -32,9 +33,24 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else float("nan")
 
 
+def _timed(records: Sequence[dict]) -> list[dict]:
+    """The records timed alone (batch 1): the only ones a latency is measured on."""
+    return [r for r in records if r.get("lm_time") is not None]
+
+
 def lm_rtf(records: Sequence[dict]) -> float:
-    """LM-RTF = total LM generation time / total generated audio duration (ratio of sums)."""
-    return _ratio(_sum(records, "lm_time"), _sum(records, "audio_sec"))
+    """LM-RTF = total LM generation time / total generated audio duration (ratio of sums), over the
+    utterances timed at batch 1."""
+    timed = _timed(records)
+    return _ratio(_sum(timed, "lm_time"), _sum(timed, "audio_sec"))
+
+
+def e2e_rtf(records: Sequence[dict]) -> float:
+    """End-to-end RTF = (LM time + token-to-waveform time) / audio duration, over the batch-1 timed utterances."""
+    timed = _timed(records)
+    if any(r.get("vocoder_time") is None for r in timed):  # records written before vocoding was timed
+        return float("nan")
+    return _ratio(_sum(timed, "lm_time") + _sum(timed, "vocoder_time"), _sum(timed, "audio_sec"))
 
 
 def corpus_wer(records: Sequence[dict]) -> float:
@@ -101,6 +117,7 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
     out: dict[str, Any] = {"num_utterances": len(records)}
     for name, fn in (
         ("lm_rtf", lm_rtf),
+        ("e2e_rtf", e2e_rtf),
         ("wer", corpus_wer),
         ("wer_per_utt", mean_utterance_wer),
         ("sim", mean_sim),
@@ -111,12 +128,20 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
     proposed = sum(sum(r.get("proposed") or []) for r in records)
     accepted = sum(sum(r.get("accepted") or []) for r in records)
     rounds = _sum(records, "rounds")
+    timed = _timed(records)
+    lm_time, vocoder_time = _sum(timed, "lm_time"), _sum(timed, "vocoder_time")
+    decode_time = _sum(records, "decode_time_share")
     out.update(
         {
-            "lm_time": _sum(records, "lm_time"),
+            "lm_time": lm_time,
             "audio_sec": _sum(records, "audio_sec"),
             "tokens": int(tokens),
-            "tokens_per_sec": _ratio(tokens, _sum(records, "lm_time")),
+            "latency_utterances": len(timed),  # timed alone: LM-RTF and E2E-RTF are over these
+            "tokens_per_sec": _ratio(_sum(timed, "n_tokens"), lm_time),  # batch 1
+            "vocoder_share": _ratio(vocoder_time, lm_time + vocoder_time) if vocoder_time else float("nan"),
+            # Throughput of the decode as run (batched when eval.batch_size > 1), LM stage only.
+            "throughput_utts_per_sec": _ratio(len(records), decode_time),
+            "throughput_tokens_per_sec": _ratio(tokens, decode_time),
             "target_calls_per_token": _ratio(_sum(records, "target_calls"), tokens),
             "draft_calls_per_token": _ratio(_sum(records, "draft_calls"), tokens),
             "acceptance_rate": _ratio(accepted, proposed),
@@ -210,3 +235,18 @@ def paired_differences(
         rows.append({"metric": name, "speculative - AR": value * scale, "95% CI lo": lo * scale,
                      "95% CI hi": hi * scale, "CI contains 0": bool(lo <= 0 <= hi), "pairs": len(pairs)})  # fmt: skip
     return rows
+
+
+def paired_vs_ar(
+    ar_records: Sequence[dict], records: Sequence[dict], n_resamples: int = 1000, seed: int = 0
+) -> dict[str, Any]:
+    """`paired_differences` as metrics: wer_delta_vs_ar (points of %) and sim_delta_vs_ar, each with its
+    paired 95% CI (`<key>_ci`), and the number of utterances paired."""
+    wer, sim = paired_differences(ar_records, records, n_resamples, seed)
+    return {
+        "wer_delta_vs_ar": wer["speculative - AR"],
+        "wer_delta_vs_ar_ci": [wer["95% CI lo"], wer["95% CI hi"]],
+        "sim_delta_vs_ar": sim["speculative - AR"],
+        "sim_delta_vs_ar_ci": [sim["95% CI lo"], sim["95% CI hi"]],
+        "paired_utterances": wer["pairs"],
+    }

@@ -6,6 +6,9 @@
     utterances.bad.jsonl  lines set aside on resume: unparsable (a killed writer) or a second record of an utterance
     metrics.json        the summary; error.json when the job failed in a multirun
 
+A sweep dir holds one run dir per job and `baselines/<key>/`: the AR runs its jobs measure speedup and
+ΔWER against (`ssd.evaluation.runner.ensure_baseline`).
+
 Every file but the appended records is written atomically (temp + rename). A run holds `.lock` while it
 writes, so a second process (two sweeps into one dir, a joblib sweep with a repeated value) fails at once
 instead of doubling records. Resume refuses a dir computed with another configuration or other model
@@ -33,9 +36,10 @@ TEST_LIST_FILE = "test_list.jsonl"
 CONFIG_FILE = "config.yaml"
 ERROR_FILE = "error.json"
 AUDIO_DIR = "audio"
+BASELINES_DIR = "baselines"  # below a sweep dir: the AR runs its jobs are compared with (one per fingerprint)
 INPUTS_KEY = "run_inputs"
 # Keys that do not change what a run computes: a resumed run may differ in them.
-NON_RESULT_KEYS = ("logger", "baseline_dir", "progress", "output_dir", INPUTS_KEY)
+NON_RESULT_KEYS = ("logger", "baseline_dir", "auto_baseline", "progress", "output_dir", INPUTS_KEY)
 # Config nodes whose path values are model files the results depend on (the corpus is checked through the
 # test list instead).
 INPUT_NODES = ("target.model", "draft", "speech_tokenizer", "vocoder", "asr", "sim")

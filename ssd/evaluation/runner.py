@@ -21,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,16 @@ import numpy as np
 import pandas as pd
 import soundfile as sf
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ssd.evaluation.metrics import summarize
+from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.run_dir import (
     AUDIO_DIR,
+    BASELINES_DIR,
     ERROR_FILE,
     METRICS_FILE,
+    NON_RESULT_KEYS,
+    RESULTS_FILE,
     RunDir,
     append_record,
     read_records,
@@ -198,31 +202,81 @@ def load_models(cfg: DictConfig) -> EvalModels:
 
 
 # --------------------------------------------------------------------------------------------------
-# One utterance
+# One batch of test items
 # --------------------------------------------------------------------------------------------------
 
+# A record's batch-1 timing (None for an item of a batch that was not timed alone).
+LATENCY_KEYS = ("lm_time", "rtf", "time_prefill", "time_draft", "time_verify", "time_accept", "time_diagnostics",
+                "e2e_rtf")  # fmt: skip
+# Record fields that depend on how the item was timed; every other field is the same at any batch size.
+TIMING_KEYS = (*LATENCY_KEYS, "vocoder_time", "decode_time_share")
 
-def _decode(cfg: DictConfig, m: EvalModels, prompt, min_len, max_len, generator):
+
+@dataclass
+class Item:
+    """One test item ready to decode: its pair, its place in the test list and everything it needs."""
+
+    index: int
+    pair: Any
+    wrong_text: str | None
+    vprompt: Any  # the VocoderPrompt, as the vocoder prepared it
+    embedding: Any  # the prompt audio's speaker embedding (SIM reference)
+    seed: int
+
+
+def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int | None = None):
+    """Decode `items` as one batch (ragged prompts, per-row seeds and length limits); returns
+    (result, min_len [B], max_len [B]). `max_tokens` caps the length (the warm-up's short decode)."""
     from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
+    from ssd.decoding.rng import RowRandom
 
+    prompt = m.target.make_prompt([it.pair.text for it in items], [it.pair.prompt_text for it in items],
+                                  [it.vprompt.tokens.tolist() for it in items])  # fmt: skip
+    min_len, max_len = (torch.as_tensor(t, dtype=torch.long).cpu() for t in m.target.length_limits(prompt))
+    cap = cfg.eval.get("max_len") if max_tokens is None else max_tokens
+    if cap is not None:
+        max_len = max_len.clamp(max=int(cap))
+        min_len = torch.minimum(min_len, max_len)
+    generator = RowRandom([it.seed for it in items], m.target.device)
     mode = cfg.decoding.mode
     if mode == "ar":
-        return decode_ar(m.target, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator)
-    if mode == "draft_only":
-        return decode_ar(m.draft, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator,
-                         role="draft")  # fmt: skip
-    adaptive = None
-    if cfg.decoding.adaptive.enabled:
-        a = cfg.decoding.adaptive
-        adaptive = AdaptiveDraftLength(int(a.min_len), int(a.max_len), int(a.increase), int(a.decrease))
-    return decode_speculative(
-        m.target, m.draft, prompt, m.sampling, m.rule,
-        draft_len=int(cfg.decoding.draft_len), max_len=max_len, min_len=min_len,
-        adaptive=adaptive, generator=generator,
-    )  # fmt: skip
+        result = decode_ar(
+            m.target, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator
+        )
+    elif mode == "draft_only":
+        result = decode_ar(m.draft, prompt, m.sampling, max_len=max_len, min_len=min_len, generator=generator,
+                           role="draft")  # fmt: skip
+    else:
+        adaptive = None
+        if cfg.decoding.adaptive.enabled:
+            a = cfg.decoding.adaptive
+            adaptive = AdaptiveDraftLength(int(a.min_len), int(a.max_len), int(a.increase), int(a.decrease))
+        result = decode_speculative(
+            m.target, m.draft, prompt, m.sampling, m.rule,
+            draft_len=int(cfg.decoding.draft_len), max_len=max_len, min_len=min_len,
+            adaptive=adaptive, generator=generator,
+        )  # fmt: skip
+    return result, min_len.tolist(), max_len.tolist()
 
 
-def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -> tuple[Any, Any, Any, Any]:
+def _timed_decode(cfg: DictConfig, m: EvalModels, items: list[Item]):
+    """`_decode` under inference mode, wall-clock timed (CUDA-synchronised); returns (result, limits, seconds)."""
+    device = m.target.device
+    with torch.inference_mode():
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            result, min_len, max_len = _decode(cfg, m, items)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"utterance(s) {[it.pair.utt for it in items]}: {err}") from err
+        _sync(device)
+        # The engine's diagnostics (β_t overlaps, TV) are bookkeeping a deployment does not run.
+        return result, (min_len, max_len), time.perf_counter() - start - result.stats.time_diagnostics
+
+
+def _item(
+    cfg: DictConfig, m: EvalModels, index: int, pair: Any, wrong_text: str | None, prompt_cache: dict
+) -> Item:
     from ssd.audio.features import load_audio
     from ssd.contracts import VocoderPrompt
 
@@ -242,77 +296,132 @@ def _prompt_for(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -
         prepare = getattr(m.vocoder, "prepare_prompt", None)  # optional in ssd.contracts.Vocoder
         prompt_cache[pair.prompt_utt] = (prepare(vprompt) if prepare else vprompt, embedding)
     vprompt, embedding = prompt_cache[pair.prompt_utt]
-    prompt = m.target.make_prompt([pair.text], [pair.prompt_text], [vprompt.tokens.tolist()])
-    min_len, max_len = (int(x) for x in (t[0] for t in m.target.length_limits(prompt)))
-    if cfg.eval.get("max_len") is not None:
-        max_len = min(max_len, int(cfg.eval.max_len))
-        min_len = min(min_len, max_len)
-    return prompt, (min_len, max_len), vprompt, embedding
+    return Item(index, pair, wrong_text, vprompt, embedding, utterance_seed(int(cfg.seed), pair.utt))
 
 
-def evaluate_utterance(cfg: DictConfig, m: EvalModels, pair: Any, wrong_text: str | None, prompt_cache: dict):
-    """Decode, time, vocode and judge one test item; returns (record, generated waveform)."""
+def _judge(cfg: DictConfig, m: EvalModels, item: Item, tokens: list[int], finish_reason: str, row: dict,
+           limits: tuple[int, int]) -> tuple[dict, np.ndarray]:  # fmt: skip
+    """Vocode (timed) and judge one decoded item; returns (record without the LM timing, waveform)."""
     from ssd.audio.speaker import similarity
     from ssd.evaluation.wer import utterance_wer
 
-    prompt, (min_len, max_len), vprompt, prompt_embedding = _prompt_for(cfg, m, pair, prompt_cache)
-    seed = utterance_seed(int(cfg.seed), pair.utt)
-    generator = torch.Generator(device=m.target.device).manual_seed(seed)
-    device = m.target.device
-    with torch.inference_mode():
-        _sync(device)
-        start = time.perf_counter()
-        try:
-            result = _decode(cfg, m, prompt, min_len, max_len, generator)
-        except FloatingPointError as err:
-            raise FloatingPointError(f"utterance {pair.utt}: {err}") from err
-        _sync(device)
-        lm_time = time.perf_counter() - start
-    tokens = result.tokens[0]
-    stats = result.stats
+    pair = item.pair
     token_rate = getattr(m.speech_tokenizer, "token_rate", 25)
     codes = m.target.codec_tokens(tokens)
-    wav = m.vocoder.vocode(np.asarray(codes, dtype=np.int64), vprompt) if codes else np.zeros(0, np.float32)
+    start = time.perf_counter()
+    wav = (
+        m.vocoder.vocode(np.asarray(codes, dtype=np.int64), item.vprompt)
+        if codes
+        else np.zeros(0, np.float32)
+    )
+    _sync(m.target.device)
+    vocoder_time = time.perf_counter() - start
     hypothesis = m.asr.transcribe(wav, m.vocoder.sample_rate) if wav.size else ""
     scored = utterance_wer(pair.text, hypothesis)
     try:
-        sim = similarity(m.speaker.embed(wav, m.vocoder.sample_rate), prompt_embedding)
+        sim = similarity(m.speaker.embed(wav, m.vocoder.sample_rate), item.embedding)
     except ValueError as err:  # too short or silent to embed: recorded as missing, counted in metrics
         log.warning("%s: no SIM (%s)", pair.utt, err)
         sim = None
+    accepted_per_round = list(row["accepted_per_round"])
     record = {
         "utt": pair.utt, "speaker": pair.speaker, "prompt_utt": pair.prompt_utt, "text": pair.text,
-        "seed": seed, "tokens": tokens, "n_tokens": len(tokens), "finish_reason": result.finish_reason[0],
-        "min_len": min_len, "max_len": max_len,
-        "lm_time": lm_time, "audio_sec": len(tokens) / token_rate,
-        "rtf": lm_time / (len(tokens) / token_rate) if tokens else None,
-        "time_prefill": stats.time_prefill, "time_draft": stats.time_draft,
-        "time_verify": stats.time_verify, "time_accept": stats.time_accept,
-        "target_calls": stats.target_calls, "draft_calls": stats.draft_calls, "rounds": stats.rounds,
-        "accepted_total": sum(n for r in stats.accepted_per_round for n in r),
-        "proposed": stats.proposed, "accepted": stats.accepted,
-        "overlap_sum": stats.overlap_sum, "tv_sum": stats.tv_sum,
-        "accepted_per_round": [r[0] if r else 0 for r in stats.accepted_per_round],
-        "draft_len_per_round": stats.draft_len_per_round,
+        "seed": item.seed, "tokens": tokens, "n_tokens": len(tokens), "finish_reason": finish_reason,
+        "min_len": int(limits[0]), "max_len": int(limits[1]), "audio_sec": len(tokens) / token_rate,
+        "vocoder_time": vocoder_time,
+        "target_calls": row["target_calls"], "draft_calls": row["draft_calls"], "rounds": row["rounds"],
+        "accepted_total": sum(accepted_per_round),
+        "proposed": row["proposed"], "accepted": row["accepted"],
+        "overlap_sum": row["overlap_sum"], "tv_sum": row["tv_sum"],
+        "accepted_per_round": accepted_per_round, "draft_len_per_round": list(row["draft_len_per_round"]),
         "hypothesis": hypothesis, "errors": scored.errors, "ref_words": scored.ref_words, "wer": scored.wer,
         "sim": sim,
         # TV(output law, q) is known when the rule preserves q (0) or the engine computed it; else tv_sum is None.
-        "tv_known": stats.tv_sum is not None,
+        "tv_known": row["tv_sum"] is not None,
     }  # fmt: skip
     if m.language is not None:
-        if wrong_text is not None:
-            wrong = utterance_wer(wrong_text, hypothesis)
-            record.update(wrong_text=wrong_text, wrong_errors=wrong.errors, wrong_ref_words=wrong.ref_words)
+        if item.wrong_text is not None:
+            wrong = utterance_wer(item.wrong_text, hypothesis)
+            record.update(
+                wrong_text=item.wrong_text, wrong_errors=wrong.errors, wrong_ref_words=wrong.ref_words
+            )
         record["slot_correct"] = m.language.slot_correct(pair.text, hypothesis)
     return record, wav
 
 
-def _warm_up(cfg: DictConfig, m: EvalModels, pair: Any, prompt_cache: dict) -> None:
+def _latency(record: dict, result, seconds: float) -> dict:
+    """The batch-1 timing of one item: LM time, RTF, the engine's phase times, LM + vocoder (end to end)."""
+    stats, audio = result.stats, record["audio_sec"]
+    return {
+        "lm_time": seconds, "rtf": seconds / audio if audio else None,
+        "time_prefill": stats.time_prefill, "time_draft": stats.time_draft,
+        "time_verify": stats.time_verify, "time_accept": stats.time_accept,
+        "time_diagnostics": stats.time_diagnostics,
+        "e2e_rtf": (seconds + record["vocoder_time"]) / audio if audio else None,
+    }  # fmt: skip
+
+
+def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_utts: float):
+    """Decode `items` at once, then vocode and judge each; returns [(record, waveform)] in item order.
+
+    LM-RTF stays batch-1 latency, measured on the items among the first `latency_utts` of the test list: a
+    batch of one is its own timing; in a bigger batch they are decoded again alone (timed), and their
+    tokens must equal the batched ones. Every record holds `decode_time_share` (the batched decode's time / its rows: the
+    throughput numbers)."""
+    result, (min_lens, max_lens), seconds = _timed_decode(cfg, m, items)
+    out = []
+    for b, item in enumerate(items):
+        tokens = result.tokens[b]
+        record, wav = _judge(cfg, m, item, tokens, result.finish_reason[b], result.rows[b],
+                             (min_lens[b], max_lens[b]))  # fmt: skip
+        record.update(dict.fromkeys(LATENCY_KEYS), decode_time_share=seconds / len(items))
+        if item.index < latency_utts and len(items) == 1:
+            record.update(_latency(record, result, seconds))
+        elif item.index < latency_utts:
+            alone, _, alone_seconds = _timed_decode(cfg, m, [item])
+            if alone.tokens[0] != tokens:
+                raise RuntimeError(
+                    f"utterance {item.pair.utt}: decoded alone it gives other tokens than in a batch of "
+                    f"{len(items)} ({len(alone.tokens[0])} vs {len(tokens)} tokens): the engine is not "
+                    "batch-invariant here; run with eval.batch_size=1"
+                )
+            record.update(_latency(record, alone, alone_seconds))
+        out.append((record, wav))
+    return out
+
+
+def _warm_up(cfg: DictConfig, m: EvalModels, item: Item) -> None:
     """One short untimed decode so lazy initialisation and caches do not land in the first timing."""
-    prompt, (min_len, _), _, _ = _prompt_for(cfg, m, pair, prompt_cache)
-    generator = torch.Generator(device=m.target.device).manual_seed(0)
     with torch.inference_mode():
-        _decode(cfg, m, prompt, min(min_len, WARMUP_TOKENS), WARMUP_TOKENS, generator)
+        _decode(cfg, m, [replace(item, seed=0)], max_tokens=WARMUP_TOKENS)
+
+
+def effective_batch_size(cfg: DictConfig) -> tuple[int, str | None]:
+    """(batch size the run decodes with, why it differs from eval.batch_size or None). Adaptive draft
+    length shares one k across the batch, so a row's rounds would depend on its neighbours: batch 1."""
+    wanted = int(cfg.eval.get("batch_size", 1))
+    if wanted > 1 and cfg.decoding.mode == "speculative" and cfg.decoding.adaptive.enabled:
+        return (
+            1,
+            "decoding.adaptive.enabled: the draft length is shared by a batch, so adaptive runs decode at batch 1",
+        )
+    return wanted, None
+
+
+def compile_decoding(cfg: DictConfig, m: EvalModels) -> None:
+    """decoding.compile=true: compile the decoding steps of the target (and the draft) before any timing."""
+    if not cfg.decoding.get("compile", False):
+        return
+    for role, model, key in (("target", m.target, "target.model"), ("draft", m.draft, "draft")):
+        if model is None:
+            continue
+        method = getattr(model, "compile_decoding", None)
+        if method is None:
+            raise ValueError(
+                f"decoding.compile=true but the {role} ({key}._target_={OmegaConf.select(cfg, key + '._target_')}) "
+                "has no compile_decoding(): set decoding.compile=false, or give the class that method"
+            )
+        method()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,40 +464,50 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
             raise ValueError(
                 f"{run.results} holds utterances that are not in the test list: {sorted(unknown)[:5]}"
             )
+        compile_decoding(cfg, models)
         wrong_texts = wrong_sentence_texts(pairs["text"].tolist())
         todo = [(i, p) for i, p in enumerate(pairs.itertuples(index=False)) if p.utt not in done]
         logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # one INFO line per utterance otherwise
         log.info("%s: %d utterances, %d already done, %d to go", run_dir, len(pairs), len(done), len(todo))
+        batch_size, batch_note = effective_batch_size(cfg)
+        if batch_note:
+            log.warning("eval.batch_size=%s: %s", cfg.eval.batch_size, batch_note)
         n_audio = int(cfg.eval.get("num_audio_samples", 4))
-        audio_dir = run_dir / AUDIO_DIR
         prompt_cache: dict = {}
-        if todo and cfg.eval.get("warmup", True):
-            _warm_up(cfg, models, todo[0][1], prompt_cache)
-        _run_loop(cfg, models, todo, wrong_texts, prompt_cache, records, run.results, audio_dir, n_audio)
+        items = [_item(cfg, models, i, p, wrong_texts[i], prompt_cache) for i, p in todo]
+        if items and cfg.eval.get("warmup", True):
+            _warm_up(cfg, models, items[0])
+        _run_loop(cfg, models, items, batch_size, records, run.results, run_dir / AUDIO_DIR, n_audio)
 
         metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
-        metrics.update(run_labels(cfg, models))
+        metrics.update(run_labels(cfg, models), batch_size=batch_size, batch_note=batch_note)
         if baseline:
-            metrics.update(speedup_vs(metrics, Path(str(baseline))))
+            metrics.update(speedup_vs(metrics, records, Path(str(baseline)), cfg))
         run.write_metrics(metrics)
-    log_to_wandb(cfg, run_dir, metrics, records, audio_dir, n_audio)
+    log_to_wandb(cfg, run_dir, metrics, records, run_dir / AUDIO_DIR, n_audio)
     return metrics
 
 
-def _run_loop(
-    cfg, models, todo, wrong_texts, prompt_cache, records, results_path, audio_dir, n_audio
-) -> None:
+def _run_loop(cfg, models, items, batch_size, records, results_path, audio_dir, n_audio) -> None:
+    """Batches of `batch_size` items in test-list order; each record is appended as soon as its batch is
+    judged, so an interrupted run resumes at utterance granularity."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(todo, desc=f"eval {cfg.decoding.mode}", unit="utt", disable=not cfg.get("progress", True))
-    for index, pair in bar:
-        record, wav = evaluate_utterance(cfg, models, pair, wrong_texts[index], prompt_cache)
-        if index < n_audio and wav.size:
-            audio_dir.mkdir(exist_ok=True)
-            sf.write(audio_dir / f"{pair.utt}.wav", wav, models.vocoder.sample_rate)
-        append_record(results_path, record)
-        records.append(record)
-        lm_time, audio = sum(r["lm_time"] for r in records), sum(r["audio_sec"] for r in records)
+    latency = cfg.eval.get("latency_utts")
+    latency_utts = math.inf if batch_size == 1 or latency is None else int(latency)  # items timed alone
+    bar = tqdm(total=len(items), desc=f"eval {cfg.decoding.mode}", unit="utt",
+               disable=not cfg.get("progress", True))  # fmt: skip
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        for item, (record, wav) in zip(batch, evaluate_batch(cfg, models, batch, latency_utts)):
+            if item.index < n_audio and wav.size:
+                audio_dir.mkdir(exist_ok=True)
+                sf.write(audio_dir / f"{item.pair.utt}.wav", wav, models.vocoder.sample_rate)
+            append_record(results_path, record)
+            records.append(record)
+        bar.update(len(batch))
+        timed = [r for r in records if r.get("lm_time") is not None]
+        lm_time, audio = sum(r["lm_time"] for r in timed), sum(r["audio_sec"] for r in timed)
         proposed = sum(sum(r["proposed"]) for r in records)
         postfix = {"RTF": f"{lm_time / audio:.3f}" if audio else "-"}
         if proposed:
@@ -419,12 +538,67 @@ def run_labels(cfg: DictConfig, models: EvalModels) -> dict:
     return {**labels, "setting_keys": setting}
 
 
-def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:
-    """Speedup = baseline LM-RTF / this run's LM-RTF (baseline: a finished run dir, usually decoding=ar)."""
+def speedup_vs(metrics: dict, records: list[dict], baseline_dir: Path, cfg: DictConfig) -> dict:
+    """Speedup = baseline LM-RTF / this run's LM-RTF (baseline: a finished run dir, usually decoding=ar),
+    and the paired differences in WER and SIM on the utterances both runs share."""
     baseline = json.loads(
         (baseline_dir / METRICS_FILE).read_text()
     )  # its presence is checked before decoding
-    return {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
+    out = {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
+    if cfg.decoding.mode != "ar":
+        ar_records = read_records(baseline_dir / RESULTS_FILE, repair=False)
+        out.update(
+            paired_vs_ar(ar_records, records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The AR baseline a sweep shares
+# --------------------------------------------------------------------------------------------------
+
+# Keys that cannot change what decoding=ar computes (besides the run-dir bookkeeping of NON_RESULT_KEYS).
+_NOT_AR_KEYS = ("draft", "acceptance", "beta", "theta", "draft_len", "reproduce", "decoding")
+
+
+def baseline_config(cfg: DictConfig) -> DictConfig:
+    """The decoding=ar run a setting is compared with: the same target and sampling, codec, judges, test
+    list and seeds; every speculative-only key at its default, so every setting of a sweep names one run."""
+    from ssd.evaluation.schema import SweepConfig
+
+    defaults = OmegaConf.structured(SweepConfig)
+    body = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
+            if k not in (*_NOT_AR_KEYS, *NON_RESULT_KEYS)}  # fmt: skip
+    body.update(
+        decoding={"mode": "ar", "compile": bool(cfg.decoding.get("compile", False))},
+        draft=None, acceptance=None, beta=defaults.beta, theta=defaults.theta, draft_len=defaults.draft_len,
+        logger={}, progress=bool(cfg.get("progress", True)),
+    )  # fmt: skip
+    return OmegaConf.merge(defaults, body)
+
+
+def baseline_key(cfg: DictConfig) -> str:
+    """A dir name for the AR baseline of `cfg`: target, eval and a hash of everything that decides its
+    output (its resolved config and the fingerprints of the model files it reads)."""
+    ar = baseline_config(cfg)
+    resolved = {k: v for k, v in OmegaConf.to_container(ar, resolve=True).items()
+                if k not in ("output_dir", *NON_RESULT_KEYS)}  # fmt: skip
+    text = json.dumps({"config": resolved, "inputs": run_inputs(ar)}, sort_keys=True, default=str)
+    return f"ar-{cfg.target.name}-{cfg.eval.name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def ensure_baseline(cfg: DictConfig, root: Path) -> Path:
+    """The finished AR baseline of `cfg` under `root` (run now, or reused): concurrent jobs of a sweep wait
+    for the one that runs it (a lock on `root`) and then reuse its results."""
+    from ssd.files import RunDirLock
+
+    run_dir = root / baseline_key(cfg)
+    if not (run_dir / METRICS_FILE).is_file():
+        with RunDirLock(root, "AR baseline", wait=True):
+            if not (run_dir / METRICS_FILE).is_file():
+                log.info("AR baseline for the speedup column: %s", run_dir)
+                evaluate(baseline_config(cfg), run_dir)
+    return run_dir
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,15 +607,29 @@ def speedup_vs(metrics: dict, baseline_dir: Path) -> dict:
 
 
 def run_job(cfg: DictConfig) -> dict | None:
-    """`evaluate` for a Hydra job. In a multirun a failure is written to `error.json` in the job's dir and
+    """`evaluate` for a Hydra job. In a multirun a job without decoding=ar (and no baseline_dir) first runs,
+    or reuses, its AR baseline in `<sweep dir>/baselines/` (`ensure_baseline`; auto_baseline=false: not),
+    so its metrics and the sweep's table carry the speedup and the paired WER difference. A failure is written to `error.json` in the job's dir and
     logged, and the sweep goes on (Hydra would otherwise stop at the first exception); a single run raises."""
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = hydra_run_dir()
+    multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
     try:
+        if (
+            multirun
+            and cfg.decoding.mode != "ar"
+            and not cfg.get("baseline_dir")
+            and cfg.get("auto_baseline")
+        ):
+            validate_sweep_config(cfg)  # a bad setting fails before its baseline is computed
+            baseline = ensure_baseline(cfg, Path(HydraConfig.get().sweep.dir) / BASELINES_DIR)
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.baseline_dir = str(baseline)
         return evaluate(cfg, run_dir)
     except Exception as err:
-        if str(HydraConfig.get().mode) != "RunMode.MULTIRUN":
+        if not multirun:
             raise
         write_error(run_dir, f"{type(err).__name__}: {err}", traceback.format_exc())
         log.error("job %s FAILED (%s: %s); see %s. The sweep continues with the other jobs.",

@@ -49,6 +49,7 @@ class DecodingConfig:
     mode: str = MISSING  # speculative | ar | draft_only
     draft_len: int = 3
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    compile: bool = False  # compile the target's and the draft's decoding steps (`compile_decoding()`)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class EvalConfig:
     language: str | None = None  # null | grid (the toy language: wrong-sentence WER, per-slot accuracy)
     slots: Any = None
     max_len: int | None = None  # cap on generated tokens (null = the target's own rule)
+    batch_size: int = 1  # test items decoded at once; every record equals batch 1's (per-row seeds)
+    latency_utts: int | None = 8  # batch_size > 1: the first N items, decoded again alone and timed (LM-RTF)
     warmup: bool = True
     num_audio_samples: int = 4
     bootstrap_resamples: int = 1000
@@ -94,6 +97,7 @@ class SweepConfig:
     seed: int = 0
     output_dir: str = MISSING
     baseline_dir: str | None = None
+    auto_baseline: bool = True  # a multirun job without decoding=ar runs/reuses the AR baseline (baselines/)
     progress: bool = True
     reproduce: Any = None  # the experiment driver's notes (configs/experiment/)
     toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
@@ -153,6 +157,12 @@ def validate_sweep_config(cfg: DictConfig) -> None:
         lo_hi = list(e[key])
         if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
             problems.append(f"eval.{key}={lo_hi} must be [min, max] seconds with 0 <= min <= max")
+    if e.batch_size < 1:
+        problems.append(f"eval.batch_size={e.batch_size} must be >= 1")
+    if e.latency_utts is not None and e.latency_utts < 1:
+        problems.append(
+            f"eval.latency_utts={e.latency_utts} must be >= 1 or null (null: time every item alone)"
+        )
     if e.bootstrap_resamples < 0 or e.num_audio_samples < 0:
         problems.append("eval.bootstrap_resamples and eval.num_audio_samples must be >= 0")
     if problems:

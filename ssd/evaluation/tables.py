@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ssd.evaluation.metrics import paired_vs_ar
 from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
 
 # The setting keys of run dirs written before metrics.json listed its own `setting_keys`.
@@ -105,32 +106,75 @@ def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
     return table
 
 
+def _ar_runs(table: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
+    """The finished decoding=ar runs of `table` with the row's target and eval."""
+    same = (table["decoding"] == "ar") & (table["status"] == "ok")
+    for key in ("target", "eval"):
+        if key in table:
+            same &= table[key] == row.get(key)
+    return table[same]
+
+
 def add_speedup(table: pd.DataFrame, baseline_rtf: float | None = None) -> pd.DataFrame:
-    """speedup = LM-RTF of the AR run (same target and eval) / LM-RTF of the row; `baseline_rtf` overrides."""
+    """speedup = LM-RTF of the AR baseline / LM-RTF of the row. The baseline: `baseline_rtf` when given,
+    else the run's own (metrics.json `speedup`, from its baseline_dir: the AR run matched to it), else the
+    AR runs of the sweep with the same target and eval."""
     table = table.copy()
+    own = table["speedup"] if "speedup" in table else pd.Series(np.nan, index=table.index)
     speedups = []
-    for _, row in table.iterrows():
-        base = baseline_rtf
-        if base is None and row.get("status") == "ok":
-            same = (table["decoding"] == "ar") & (table["status"] == "ok")
-            for key in ("target", "eval"):
-                if key in table:
-                    same &= table[key] == row.get(key)
-            if same.any():
-                base = float(table.loc[same, "lm_rtf"].mean())
-        if base is None and not math.isnan(float(row.get("speedup", np.nan) or np.nan)):
-            speedups.append(float(row["speedup"]))  # from the run's own baseline_dir
-            continue
+    for idx, row in table.iterrows():
         rtf = row.get("lm_rtf")
+        base = baseline_rtf
+        if base is None and not pd.isna(own[idx]):
+            speedups.append(float(own[idx]))
+            continue
+        if base is None and row.get("status") == "ok":
+            ar = _ar_runs(table, row)
+            base = float(ar["lm_rtf"].mean()) if not ar.empty else None
         speedups.append(base / rtf if base is not None and rtf and not math.isnan(rtf) else np.nan)
     table["speedup"] = speedups
     return table
 
 
+def add_paired_wer(
+    table: pd.DataFrame, sweep_dir: str | Path, baseline_dir: str | Path | None = None
+) -> pd.DataFrame:
+    """ΔWER (points of %) and ΔSIM vs AR on the same utterances, with paired bootstrap 95% CIs
+    (`paired_vs_ar`), for rows whose metrics.json lacks them: against `baseline_dir` when given (then for
+    every row), else the sweep's first AR run with the same target and eval."""
+    sweep_dir = Path(sweep_dir)
+    table = table.copy()
+    for key in ("wer_delta_vs_ar", "sim_delta_vs_ar"):
+        for column in (key, f"{key}_ci_lo", f"{key}_ci_hi"):
+            if column not in table or baseline_dir is not None:
+                table[column] = np.nan
+    for idx, row in table[(table["status"] == "ok") & (table["decoding"] != "ar")].iterrows():
+        if not pd.isna(row["wer_delta_vs_ar"]):
+            continue
+        if baseline_dir is not None:
+            ar_dir = Path(baseline_dir)
+        else:
+            ar = _ar_runs(table, row)
+            if ar.empty:
+                continue
+            ar_dir = sweep_dir / ar["run"].iloc[0]
+        try:
+            paired = paired_vs_ar(read_records(ar_dir / RESULTS_FILE, repair=False),
+                                  read_records(sweep_dir / row["run"] / RESULTS_FILE, repair=False))  # fmt: skip
+        except ValueError:  # the runs share fewer than 2 utterances: nothing to pair
+            continue
+        for key in ("wer_delta_vs_ar", "sim_delta_vs_ar"):
+            table.loc[idx, key] = paired[key]
+            table.loc[idx, [f"{key}_ci_lo", f"{key}_ci_hi"]] = paired[f"{key}_ci"]
+    return table
+
+
 def _run_sums(run_dir: Path) -> dict[str, float]:
-    """Sums of the timing counts over a run's records (read only: the run may still be writing)."""
+    """Sums of the timing counts over a run's batch-1 timed records (read only: the run may still be writing)."""
     sums = dict.fromkeys(COST_KEYS, 0.0)
     for record in read_records(run_dir / RESULTS_FILE, repair=False):
+        if record.get("lm_time") is None:  # not timed alone: its phase times are not batch-1 costs
+            continue
         for key in COST_KEYS:
             sums[key] += float(record.get(key) or 0)
     return sums
@@ -181,7 +225,8 @@ def _sort(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_table(sweep_dir: str | Path, baseline_dir: str | Path | None = None) -> pd.DataFrame:
-    """The full numeric table of a sweep dir (sorted, with speedups and per-call costs); writes nothing."""
+    """The full numeric table of a sweep dir (sorted, with speedups, paired ΔWER vs AR and per-call costs);
+    writes nothing."""
     sweep_dir = Path(sweep_dir)
     baseline_rtf = None
     if baseline_dir is not None:
@@ -189,7 +234,8 @@ def build_table(sweep_dir: str | Path, baseline_dir: str | Path | None = None) -
         if not path.is_file():
             raise FileNotFoundError(f"baseline run dir {baseline_dir} has no {METRICS_FILE}")
         baseline_rtf = float(json.loads(path.read_text())["lm_rtf"])
-    return add_cost_columns(_sort(add_speedup(load_runs(sweep_dir), baseline_rtf)), sweep_dir)
+    table = add_paired_wer(add_speedup(load_runs(sweep_dir), baseline_rtf), sweep_dir, baseline_dir)
+    return add_cost_columns(_sort(table), sweep_dir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,6 +271,15 @@ def with_ci(row: pd.Series, key: str, digits: int = 3, scale: float = 1.0) -> st
     if not (_missing(lo) or _missing(hi)):
         text += f" [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
     return text
+
+
+def _throughput(row: pd.Series) -> str:
+    """Utterances/s of the decode as run, with its batch size: '12.3 (B=8)'."""
+    value = row.get("throughput_utts_per_sec")
+    if _missing(value):
+        return "-"
+    batch = row.get("batch_size")
+    return f"{value:.2f}" + ("" if _missing(batch) else f" (B={int(batch)})")
 
 
 def setting_of(row: pd.Series) -> dict[str, Any]:
@@ -275,7 +330,12 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
         "n": ok["num_utterances"].astype(int),
         "LM-RTF [95% CI]": [with_ci(r, "lm_rtf") for _, r in ok.iterrows()],
         "speedup": ok["speedup"].map(lambda v: _fmt(v, 2)),
+        # Runs written before these columns existed show "-".
+        "E2E-RTF": ok.get("e2e_rtf", pd.Series(np.nan, index=ok.index)).map(_fmt),
+        "vocoder % of E2E": ok.get("vocoder_share", pd.Series(np.nan, index=ok.index)).map(lambda v: _fmt(v * 100, 0)),
+        "utt/s (batch)": [_throughput(r) for _, r in ok.iterrows()],
         "WER % [95% CI]": [with_ci(r, "wer", 1, 100) for _, r in ok.iterrows()],
+        "ΔWER vs AR pts [95% CI]": [with_ci(r, "wer_delta_vs_ar", 1) for _, r in ok.iterrows()],
         "WER/utt %": ok["wer_per_utt"].map(lambda v: _fmt(v * 100, 1)),
         "SIM [95% CI]": [with_ci(r, "sim") for _, r in ok.iterrows()],
         "accept": ok["acceptance_rate"].map(_fmt),

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ssd.config import as_overrides, compose, group_options, merge_overrides, override_key, override_value
 from ssd.evaluation.provenance import CommandLog, git_description, machine_description
+from ssd.evaluation.run_dir import BASELINES_DIR, METRICS_FILE
 from ssd.evaluation.tables import (
     aggregate,
     display_table,
@@ -167,7 +168,8 @@ def run_sweeps(experiment: Experiment, sweep_dir: Path, world: Sequence[str] | N
     experiment.sweep(sweep_dir, [], world)
     for grid in spec.get("extra_grids") or []:
         experiment.sweep(sweep_dir, ["hydra.sweeper.params=null", *as_overrides(grid)], world)
-    if spec.get("baseline"):
+    # The grid's jobs ran the AR baseline into baselines/ already (auto_baseline), unless they all were AR.
+    if spec.get("baseline") and not any((sweep_dir / BASELINES_DIR).glob(f"*/{METRICS_FILE}")):
         experiment.sweep(sweep_dir, ["hydra.sweeper.params=null", "decoding=ar"], world)
 
 
