@@ -237,6 +237,26 @@ def test_utmos_bad_checkpoints_are_named(tmp_path, speech):
 # --- through a run ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("target", ["toy", "cosyvoice2", "llasa"])
+def test_every_target_gets_dnsmos_and_every_mos_option_composes(target, tmp_path):
+    from ssd.config import compose, group_options
+    from ssd.evaluation.schema import validate_sweep_config
+    from ssd.training.schema import check_target_kwargs
+
+    base = [f"target={target}", f"paths.data_dir={tmp_path}", f"output_dir={tmp_path}"]
+    assert compose("sweep", base).mos._target_ == "ssd.audio.mos.DNSMOS"
+    assert set(group_options("mos")) >= {"dnsmos", "utmos", "none", "toy", "cosyvoice2", "llasa"}
+    for option in group_options("mos"):
+        cfg = compose("sweep", [*base, f"mos={option}"])
+        validate_sweep_config(cfg)
+        if option == "none":
+            assert cfg.mos is None
+        else:
+            check_target_kwargs(cfg.mos, "mos")
+    with pytest.raises(ValueError, match="mos"):  # a key the judge's class does not take is named
+        validate_sweep_config(compose("sweep", [*base, "+mos.window=3"]))
+
+
 def test_a_run_records_naturalness_and_the_table_shows_nmos(micro_world, tmp_path):
     pytest.importorskip("speechmos", reason="DNSMOS needs the speechmos wheel (the judges extra)")
     overrides = [*sweep_overrides(micro_world, 3, 25), "logger=none"]
@@ -248,9 +268,8 @@ def test_a_run_records_naturalness_and_the_table_shows_nmos(micro_world, tmp_pat
         assert {"nmos", "mos_ovrl", "mos_sig", "mos_bak", "mos_p808"} <= set(r)
         assert r["nmos"] is None or (r["nmos"] == r["mos_ovrl"] and 1 <= r["nmos"] <= 5)
     scored = [r["nmos"] for r in records if r["nmos"] is not None]
-    assert metrics["nmos_missing"] == len(records) - len(scored)
-    if scored:
-        assert metrics["nmos"] == pytest.approx(np.mean(scored))
+    assert scored and metrics["nmos_missing"] == len(records) - len(scored)
+    assert metrics["nmos"] == pytest.approx(np.mean(scored)) and len(metrics["nmos_ci"]) == 2
 
     evaluate(compose_sweep_config([*overrides, "decoding=ar", "mos=none"]), sweep / "none")
     off = read_records(sweep / "none" / RESULTS_FILE)
@@ -260,7 +279,7 @@ def test_a_run_records_naturalness_and_the_table_shows_nmos(micro_world, tmp_pat
     table = display_table(add_speedup(load_runs(sweep)))
     assert "NMOS [95% CI]" in table.columns
     shown = dict(zip(table["run"], table["NMOS [95% CI]"]))
-    assert shown["none"] == "-" and (shown["ar"] != "-" or not scored)
+    assert shown["none"] == "-" and shown["ar"].startswith(f"{metrics['nmos']:.2f} [")
 
 
 def test_paired_nmos_difference_and_its_table_column(tmp_path):
