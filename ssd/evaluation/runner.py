@@ -2,14 +2,18 @@
 
 `evaluate(cfg, run_dir)`:
   1. builds the test list (zero-shot pairs from a LibriTTS-layout corpus, `ssd.data.libritts`) and writes
-     it to the run dir; loads the judges (ASR, speaker, naturalness), the target, the draft and the acceptance rule,
-     the speech tokenizer and the vocoder, ONCE (and caches them for the next job of a sweep in the same
-     process). Anything missing fails here, before any decoding.
-  2. per utterance: prompt = prompt text + the prompt audio's speech tokens; decode with the configured
-     `decoding.mode` (speculative | ar | draft_only) using a generator seeded from (seed, utt id), so
-     settings are comparable utterance by utterance; the LM stage alone is timed (CUDA-synchronised,
-     after one warm-up decode); vocode; WER (Whisper's English normaliser), SIM against the PROMPT
-     audio and the MOS judge's naturalness estimates (NMOS); the record is appended to `utterances.jsonl` as soon as it is complete.
+     it to the run dir; loads the judges (ASR, speaker, naturalness), the target, the draft and the
+     acceptance rule, the speech tokenizer and the vocoder, ONCE (and caches them for the next job of a
+     sweep in the same process). Anything missing fails here, before any decoding.
+  2. per batch of `eval.batch_size` test items (in test-list order): prompt = prompt text + the prompt
+     audio's speech tokens; decode with the configured `decoding.mode` (speculative | ar | draft_only),
+     row b drawing from its own stream seeded from (seed, utt id) (`ssd.decoding.rng.RowRandom`), so
+     every record is the one batch 1 writes and settings are comparable utterance by utterance. LM-RTF
+     is batch-1 latency (CUDA-synchronised, after one warm-up decode): at batch 1 the decode itself, in
+     bigger batches the first `eval.latency_utts` items decoded again alone (docs/algorithms.md §4.1).
+     Then per item: vocode (timed: E2E-RTF), WER (Whisper's English normaliser), SIM against the
+     PROMPT audio and the MOS judge's naturalness estimates (NMOS); each record is appended to
+     `utterances.jsonl` as soon as its batch is judged.
   3. `metrics.json` from all records (resumed ones included), W&B mirror, a few wavs under `audio/`.
 
 Rerunning in the same run dir resumes: finished utterances are skipped, a half-written last line is
