@@ -3,10 +3,10 @@
 - `SpeechLM`: what the decoding engine drives (targets and drafts alike).
 - `TTSTargetLM`: what the evaluation runner and the trainer need from a target on top of that.
 - `AcceptanceRule`: what the speculative loop asks of a rule, and what the runner asks to label a run.
-- `SpeechTokenizer`, `Vocoder`, `ASR`, `SpeakerModel`: the audio side of a run.
+- `SpeechTokenizer`, `Vocoder`, `ASR`, `SpeakerModel`, `MOSJudge`: the audio side of a run.
 
 Each swappable part is a Hydra `_target_` node in `configs/` (a group per kind: target, draft,
-acceptance, speech_tokenizer, vocoder, asr, sim); a class of a user's own module plugs in with
+acceptance, speech_tokenizer, vocoder, asr, sim, mos); a class of a user's own module plugs in with
 `<group>._target_=my_module.MyClass` as long as it speaks the contract here. The classes shipped with
 the project subclass nothing from this module: the contracts are structural (`typing.Protocol`).
 """
@@ -193,3 +193,15 @@ class SpeakerModel(Protocol):
     """The SIM judge: a waveform -> a speaker embedding (compared by cosine similarity)."""
 
     def embed(self, wav: np.ndarray, sr: int) -> np.ndarray: ...
+
+
+class MOSJudge(Protocol):
+    """The naturalness judge: a waveform at any rate -> named MOS estimates, e.g. DNSMOS's
+    {"ovrl", "sig", "bak", "p808"}; `primary` names the one reported as NMOS. `keys` lists every name
+    `score` returns (a record whose audio cannot be scored holds None under each). `score` raises
+    ValueError for audio it cannot judge (silent, too short): that utterance's MOS is recorded as missing."""
+
+    primary: str
+    keys: tuple[str, ...]
+
+    def score(self, wav: np.ndarray, sr: int) -> dict[str, float]: ...

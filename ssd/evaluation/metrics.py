@@ -7,7 +7,8 @@ A record (one line of `utterances.jsonl`) carries the raw counts needed here:
   lm_time (batch-1 LM time; null for an item of a batch that was not timed alone), vocoder_time,
   decode_time_share (its batched decode's time / the batch's rows), audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
   proposed / accepted / overlap_sum / tv_sum (per draft position), rounds, accepted_total,
-  and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}.
+  and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}; with a MOS judge
+  (configs/mos/) nmos and mos_<key> per estimate (null where the audio could not be judged).
 
 The statistics of the exactness study live here too: a two-sample chi-square homogeneity test on decoded
 tokens, the repeat rate of token sequences, and paired (same utterance) differences between two runs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -64,10 +66,21 @@ def mean_utterance_wer(records: Sequence[dict]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+def mean_of(records: Sequence[dict], key: str) -> float:
+    """Mean of a per-utterance score over the records that have it (null = not judged, left out)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
 def mean_sim(records: Sequence[dict]) -> float:
     """Mean speaker similarity to the prompt; utterances too short to embed (sim = null) are left out."""
-    values = [r["sim"] for r in records if r.get("sim") is not None]
-    return float(np.mean(values)) if values else float("nan")
+    return mean_of(records, "sim")
+
+
+def mos_keys(records: Sequence[dict]) -> list[str]:
+    """The naturalness fields of a run's records: `nmos` first, then each `mos_<key>` (none: no MOS judge)."""
+    keys = {k for r in records for k in r if k == "nmos" or k.startswith("mos_")}
+    return sorted(keys, key=lambda k: (k != "nmos", k))
 
 
 def wrong_sentence_wer(records: Sequence[dict]) -> float:
@@ -121,9 +134,12 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
         ("wer", corpus_wer),
         ("wer_per_utt", mean_utterance_wer),
         ("sim", mean_sim),
+        *((key, partial(mean_of, key=key)) for key in mos_keys(records)),
     ):
         out[name] = fn(records)
         out[f"{name}_ci"] = list(bootstrap_ci(records, fn, n_resamples, seed))
+    if "nmos" in out:
+        out["nmos_missing"] = sum(r.get("nmos") is None for r in records)
     tokens = _sum(records, "n_tokens")
     proposed = sum(sum(r.get("proposed") or []) for r in records)
     accepted = sum(sum(r.get("accepted") or []) for r in records)
@@ -212,7 +228,8 @@ def paired_differences(
     ar_records: Sequence[dict], spec_records: Sequence[dict], n_resamples: int = 1000, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Speculative minus AR on the same utterances (records matched by `utt`): corpus WER (points of %)
-    and mean SIM, with paired bootstrap 95% CIs. One dict per metric."""
+    and mean SIM (and mean NMOS when both runs judged naturalness), with paired bootstrap 95% CIs. One
+    dict per metric."""
     ar = {r["utt"]: r for r in ar_records}
     pairs = [(ar[r["utt"]], r) for r in spec_records if r["utt"] in ar]
     if len(pairs) < 2:
@@ -228,8 +245,17 @@ def paired_differences(
         both = [(a["sim"], s["sim"]) for a, s in ps if a.get("sim") is not None and s.get("sim") is not None]
         return float(np.mean([s - a for a, s in both])) if both else float("nan")
 
+    def nmos_diff(ps):
+        both = [
+            (a["nmos"], s["nmos"]) for a, s in ps if a.get("nmos") is not None and s.get("nmos") is not None
+        ]
+        return float(np.mean([s - a for a, s in both])) if both else float("nan")
+
+    metrics = [("WER (points of %)", wer_diff, 100.0), ("SIM", sim_diff, 1.0)]
+    if any("nmos" in p[0] and "nmos" in p[1] for p in pairs):  # both runs had a MOS judge
+        metrics.append(("NMOS", nmos_diff, 1.0))
     rows = []
-    for name, fn, scale in (("WER (points of %)", wer_diff, 100.0), ("SIM", sim_diff, 1.0)):
+    for name, fn, scale in metrics:
         lo, hi = bootstrap_ci(pairs, fn, n_resamples, seed)
         value = fn(pairs)
         rows.append({"metric": name, "speculative - AR": value * scale, "95% CI lo": lo * scale,
@@ -241,9 +267,15 @@ def paired_vs_ar(
     ar_records: Sequence[dict], records: Sequence[dict], n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
     """`paired_differences` as metrics: wer_delta_vs_ar (points of %) and sim_delta_vs_ar, each with its
-    paired 95% CI (`<key>_ci`), and the number of utterances paired."""
-    wer, sim = paired_differences(ar_records, records, n_resamples, seed)
+    paired 95% CI (`<key>_ci`), nmos_delta_vs_ar when both runs judged naturalness, and the number of
+    utterances paired."""
+    wer, sim, *nmos = paired_differences(ar_records, records, n_resamples, seed)
+    extra = {}
+    if nmos:
+        extra = {"nmos_delta_vs_ar": nmos[0]["speculative - AR"],
+                 "nmos_delta_vs_ar_ci": [nmos[0]["95% CI lo"], nmos[0]["95% CI hi"]]}  # fmt: skip
     return {
+        **extra,
         "wer_delta_vs_ar": wer["speculative - AR"],
         "wer_delta_vs_ar_ci": [wer["95% CI lo"], wer["95% CI hi"]],
         "sim_delta_vs_ar": sim["speculative - AR"],

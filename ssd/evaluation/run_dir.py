@@ -42,7 +42,7 @@ INPUTS_KEY = "run_inputs"
 NON_RESULT_KEYS = ("logger", "baseline_dir", "auto_baseline", "progress", "output_dir", INPUTS_KEY)
 # Config nodes whose path values are model files the results depend on (the corpus is checked through the
 # test list instead).
-INPUT_NODES = ("target.model", "draft", "speech_tokenizer", "vocoder", "asr", "sim")
+INPUT_NODES = ("target.model", "draft", "speech_tokenizer", "vocoder", "asr", "sim", "mos")
 
 
 def read_records(path: str | Path, repair: bool = True) -> list[dict]:

@@ -2,17 +2,18 @@
 
 `evaluate(cfg, run_dir)`:
   1. builds the test list (zero-shot pairs from a LibriTTS-layout corpus, `ssd.data.libritts`) and writes
-     it to the run dir; loads the judges (ASR, speaker), the target, the draft and the acceptance rule,
-     the speech tokenizer and the vocoder, ONCE (and caches them for the next job of a sweep in the same
-     process). Anything missing fails here, before any decoding.
+     it to the run dir; loads the judges (ASR, speaker, naturalness), the target, the draft and the
+     acceptance rule, the speech tokenizer and the vocoder, ONCE (and caches them for the next job of a
+     sweep in the same process). Anything missing fails here, before any decoding.
   2. per batch of `eval.batch_size` test items (in test-list order): prompt = prompt text + the prompt
      audio's speech tokens; decode with the configured `decoding.mode` (speculative | ar | draft_only),
      row b drawing from its own stream seeded from (seed, utt id) (`ssd.decoding.rng.RowRandom`), so
      every record is the one batch 1 writes and settings are comparable utterance by utterance. LM-RTF
      is batch-1 latency (CUDA-synchronised, after one warm-up decode): at batch 1 the decode itself, in
      bigger batches the first `eval.latency_utts` items decoded again alone (docs/algorithms.md §4.1).
-     Then per item: vocode (timed: E2E-RTF), WER (Whisper's English normaliser) and SIM against the
-     PROMPT audio; each record is appended to `utterances.jsonl` as soon as its batch is judged.
+     Then per item: vocode (timed: E2E-RTF), WER (Whisper's English normaliser), SIM against the
+     PROMPT audio and the MOS judge's naturalness estimates (NMOS); each record is appended to
+     `utterances.jsonl` as soon as its batch is judged.
   3. `metrics.json` from all records (resumed ones included), W&B mirror, a few wavs under `audio/`.
 
 Rerunning in the same run dir resumes: finished utterances are skipped, a half-written last line is
@@ -157,6 +158,7 @@ class EvalModels:
     asr: Any
     speaker: Any
     language: Any  # GridLanguage for the toy world, else None
+    mos: Any = None  # the naturalness judge (ssd.contracts.MOSJudge), None for mos=none
 
 
 def load_models(cfg: DictConfig) -> EvalModels:
@@ -183,6 +185,9 @@ def load_models(cfg: DictConfig) -> EvalModels:
         "asr", {"asr": cfg.asr, "slots": slots}, lambda: _instantiate(cfg.asr, "asr", closed_vocabulary=slots)
     )
     speaker = _cached("sim", cfg.sim, lambda: _instantiate(cfg.sim, "sim"))
+    mos = (
+        _cached("mos", cfg.mos, lambda: _instantiate(cfg.mos, "mos")) if cfg.get("mos") is not None else None
+    )
     target = _cached("target", cfg.target.model, lambda: _instantiate(cfg.target.model, "target.model"))
     sampling = _instantiate(cfg.target.sampling, "target.sampling", stop_tokens=list(target.stop_tokens))
     speech_tokenizer = _cached(
@@ -201,7 +206,7 @@ def load_models(cfg: DictConfig) -> EvalModels:
             )
     if rule is not None:
         rule = rule.bind(target)
-    return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language)
+    return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language, mos)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,6 +353,8 @@ def _judge(cfg: DictConfig, m: EvalModels, item: Item, tokens: list[int], finish
         # TV(output law, q) is known when the rule preserves q (0) or the engine computed it; else tv_sum is None.
         "tv_known": row["tv_sum"] is not None,
     }  # fmt: skip
+    if m.mos is not None:
+        record.update(mos_fields(m.mos, wav, m.vocoder.sample_rate, pair.utt))
     if m.language is not None:
         if item.wrong_text is not None:
             wrong = utterance_wer(item.wrong_text, hypothesis)
@@ -356,6 +363,17 @@ def _judge(cfg: DictConfig, m: EvalModels, item: Item, tokens: list[int], finish
             )
         record["slot_correct"] = m.language.slot_correct(pair.text, hypothesis)
     return record, wav
+
+
+def mos_fields(judge: Any, wav: np.ndarray, sr: int, utt: str) -> dict:
+    """A record's naturalness fields: `nmos` (the judge's primary estimate) and `mos_<key>` for each of
+    its `keys`; all None when the audio cannot be judged (too short, silent: counted in metrics as missing)."""
+    try:
+        scores = judge.score(wav, sr)
+    except ValueError as err:
+        log.warning("%s: no MOS (%s)", utt, err)
+        scores = {}
+    return {"nmos": scores.get(judge.primary), **{f"mos_{k}": scores.get(k) for k in judge.keys}}
 
 
 def _latency(record: dict, result, seconds: float) -> dict:

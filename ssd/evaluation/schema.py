@@ -4,7 +4,7 @@ Hydra then rejects, when the config is composed, a key that does not exist (`eva
 inside YAML files) and a value of the wrong type (`draft_len=abc`, `eval.max_len=x`). The ranges
 Hydra cannot check (`draft_len=0`, `eval.max_len=-5`, `adaptive.min_len > max_len`, β < 0, θ outside
 (-1, 1)) are checked by `validate_sweep_config`, which the runner calls first, before any model loads.
-Swappable parts (target, draft, acceptance, speech_tokenizer, vocoder, asr, sim) are `_target_` nodes:
+Swappable parts (target, draft, acceptance, speech_tokenizer, vocoder, asr, sim, mos) are `_target_` nodes:
 their keys are checked against the called class's signature.
 """
 
@@ -89,6 +89,7 @@ class SweepConfig:
     vocoder: Any = None
     asr: Any = None
     sim: Any = None
+    mos: Any = None  # the naturalness judge (configs/mos/); null = none
     logger: Any = field(default_factory=dict)
     paths: Any = MISSING
     beta: float = 0.4
@@ -167,7 +168,7 @@ def validate_sweep_config(cfg: DictConfig) -> None:
         problems.append("eval.bootstrap_resamples and eval.num_audio_samples must be >= 0")
     if problems:
         raise ValueError("invalid sweep config: " + "; ".join(problems))
-    for key in ("target.model", "draft", "acceptance", "speech_tokenizer", "vocoder", "asr", "sim"):
+    for key in ("target.model", "draft", "acceptance", "speech_tokenizer", "vocoder", "asr", "sim", "mos"):
         node = OmegaConf.select(cfg, key)
         if isinstance(node, DictConfig) and "_target_" in node:
             check_target_kwargs(node, key, supplied=_SUPPLIED.get(key, ()))

@@ -38,6 +38,8 @@ DECODING_KEYS = ("decoding", "acceptance", "draft_len", "adaptive")
 COLUMN_NAMES = {"acceptance": "rule", "draft_len": "L_d"}  # setting key -> table header
 SYMBOLS = {"beta": "β", "draft_len": "L_d"}  # setting key -> figure label
 COST_KEYS = ("time_draft", "draft_calls", "time_verify", "target_calls")
+# Speculative - AR, paired by utterance (nmos: runs with a MOS judge).
+PAIRED_KEYS = ("wer_delta_vs_ar", "sim_delta_vs_ar", "nmos_delta_vs_ar")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,12 +141,13 @@ def add_speedup(table: pd.DataFrame, baseline_rtf: float | None = None) -> pd.Da
 def add_paired_wer(
     table: pd.DataFrame, sweep_dir: str | Path, baseline_dir: str | Path | None = None
 ) -> pd.DataFrame:
-    """ΔWER (points of %) and ΔSIM vs AR on the same utterances, with paired bootstrap 95% CIs
+    """ΔWER (points of %), ΔSIM (and ΔNMOS where both runs judged naturalness) vs AR on the same
+    utterances, with paired bootstrap 95% CIs
     (`paired_vs_ar`), for rows whose metrics.json lacks them: against `baseline_dir` when given (then for
     every row), else the sweep's first AR run with the same target and eval."""
     sweep_dir = Path(sweep_dir)
     table = table.copy()
-    for key in ("wer_delta_vs_ar", "sim_delta_vs_ar"):
+    for key in PAIRED_KEYS:
         for column in (key, f"{key}_ci_lo", f"{key}_ci_hi"):
             if column not in table or baseline_dir is not None:
                 table[column] = np.nan
@@ -163,7 +166,7 @@ def add_paired_wer(
                                   read_records(sweep_dir / row["run"] / RESULTS_FILE, repair=False))  # fmt: skip
         except ValueError:  # the runs share fewer than 2 utterances: nothing to pair
             continue
-        for key in ("wer_delta_vs_ar", "sim_delta_vs_ar"):
+        for key in (k for k in PAIRED_KEYS if k in paired):
             table.loc[idx, key] = paired[key]
             table.loc[idx, [f"{key}_ci_lo", f"{key}_ci_hi"]] = paired[f"{key}_ci"]
     return table
@@ -316,8 +319,8 @@ def _label(values: dict[str, Any]) -> str:
 
 
 def display_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The human-readable table: setting columns, LM-RTF, speedup, WER (%), SIM, acceptance with 95% CIs,
-    and the measured per-call costs where `add_cost_columns` found them."""
+    """The human-readable table: setting columns, LM-RTF, speedup, WER (%), SIM, NMOS (runs with a MOS
+    judge), acceptance with 95% CIs, and the measured per-call costs where `add_cost_columns` found them."""
     ok = table[table["status"] == "ok"]
     keys = setting_keys(table) or ["decoding"]
     if ok.empty:
@@ -342,6 +345,15 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
         "acc. len": ok["mean_accepted_length"].map(lambda v: _fmt(v, 2)),
         "target calls/token": ok["target_calls_per_token"].map(_fmt),
     })  # fmt: skip
+    if "nmos" in ok and ok["nmos"].notna().any():  # the MOS judge's primary estimate (DNSMOS: OVRL)
+        out.insert(
+            out.columns.get_loc("SIM [95% CI]") + 1,
+            "NMOS [95% CI]",
+            [with_ci(r, "nmos", 2) for _, r in ok.iterrows()],
+        )
+        if "nmos_delta_vs_ar" in ok and ok["nmos_delta_vs_ar"].notna().any():
+            out.insert(out.columns.get_loc("NMOS [95% CI]") + 1, "ΔNMOS vs AR [95% CI]",
+                       [with_ci(r, "nmos_delta_vs_ar", 2) for _, r in ok.iterrows()])  # fmt: skip
     tv_columns = [c for c in ok.columns if c.startswith("tv_") and c[3:].isdigit()]
     if tv_columns:  # per-step TV(output law, target law), mean over draft positions: 0 for exact rules
         out["TV drift"] = ok[tv_columns].mean(axis=1).map(lambda v: _fmt(v, 4))
@@ -383,7 +395,8 @@ def paper_table(rows: list[dict] | None) -> str:
     """The paper's numbers (an experiment config's `reproduce.paper`), as they are."""
     if not rows:
         return "(the paper reports no numbers for this experiment)\n"
-    names = {"setting": "setting", "lm_rtf": "LM-RTF", "speedup": "speedup", "wer_pct": "WER %", "sim": "SIM"}
+    names = {"setting": "setting", "lm_rtf": "LM-RTF", "speedup": "speedup", "wer_pct": "WER %", "sim": "SIM",
+             "nmos": "NMOS"}  # fmt: skip
     columns = [c for c in names if any(c in r for r in rows)]
     columns += [c for r in rows for c in r if c not in columns]
     frame = pd.DataFrame([{names.get(c, c): r.get(c, "-") for c in columns} for r in rows])

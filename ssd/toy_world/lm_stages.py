@@ -151,12 +151,55 @@ def _scalars(metrics: dict, keys) -> dict:
     return {k.replace("/", "_"): round(float(metrics[k]), 4) for k in keys if metrics.get(k) is not None}
 
 
+def naturalness_ordering(scores: dict[str, dict[str, dict]], n_resamples: int, seed: int) -> dict:
+    """MOS of original audio, codec resynthesis and AR generations on the same utterances.
+
+    `scores`: {kind: {utt: record fields}} for kinds original_audio, resynthesis, generated_ar. Returns,
+    with bootstrap 95% CIs, each kind's mean of every MOS field (`nmos_<kind>`, `mos_sig_<kind>`, ...) and
+    the paired NMOS differences along the expected order, original - resynthesis and resynthesis -
+    generated (`nmos_<a>_minus_<b>`, over the utterances both have scored). `nmos_order_holds`: both
+    differences >= 0; `nmos_order_resolved`: both CIs above 0 (the judge separates the three)."""
+    from ssd.evaluation.metrics import bootstrap_ci, mean_of, mos_keys
+
+    out: dict = {}
+    for kind, by_utt in scores.items():
+        records = list(by_utt.values())
+        for key in mos_keys(records):
+            out[f"{key}_{kind}"] = mean_of(records, key)
+            out[f"{key}_{kind}_ci"] = list(
+                bootstrap_ci(records, lambda rs, k=key: mean_of(rs, k), n_resamples, seed)
+            )
+        out[f"nmos_missing_{kind}"] = sum(r.get("nmos") is None for r in records)
+
+    def mean_difference(pairs):
+        return float(np.mean([a - b for a, b in pairs])) if pairs else float("nan")
+
+    resolved = []
+    for a, b in (("original_audio", "resynthesis"), ("resynthesis", "generated_ar")):
+        pairs = [(scores[a][u]["nmos"], scores[b][u]["nmos"]) for u in scores[a]
+                 if u in scores[b] and scores[a][u].get("nmos") is not None and scores[b][u].get("nmos") is not None]  # fmt: skip
+        key = f"nmos_{a}_minus_{b}"
+        out[key], out[f"{key}_ci"] = (
+            mean_difference(pairs),
+            list(bootstrap_ci(pairs, mean_difference, n_resamples, seed)),
+        )
+        out[f"{key}_pairs"] = len(pairs)
+        resolved.append(out[f"{key}_ci"][0] > 0)
+    out["nmos_order_holds"] = bool(
+        out["nmos_original_audio_minus_resynthesis"] >= 0 and out["nmos_resynthesis_minus_generated_ar"] >= 0
+    )
+    out["nmos_order_resolved"] = all(resolved)
+    return out
+
+
 def run_summary(ctx: StageContext) -> dict:
     """Quality of the toy world, measured as the sweeps measure it, on the test split:
     judge floor (original audio), resynthesis ceiling (codec round trip), AR generations of the
-    toy target (WER next to its wrong-sentence baseline, per-slot accuracy, SIM, tokens/s), draft α."""
+    toy target (WER next to its wrong-sentence baseline, per-slot accuracy, SIM, tokens/s), draft α,
+    and the MOS judge's naturalness of the three (`naturalness_ordering`)."""
     from ssd.data.libritts import save_table
-    from ssd.evaluation.runner import build_test_list, evaluate, load_models, wrong_sentence_texts
+    from ssd.evaluation.run_dir import RESULTS_FILE, read_records
+    from ssd.evaluation.runner import build_test_list, evaluate, load_models, mos_fields, wrong_sentence_texts
     from ssd.evaluation.wer import summarize_wer, utterance_wer
 
     root = ctx.inputs["corpus"].parent
@@ -187,6 +230,7 @@ def run_summary(ctx: StageContext) -> dict:
              for name in ctx.config.get("extra_judges", [])}  # fmt: skip
     rows, floor, ceiling = [], [], []
     extra_scores = {name: {"original": [], "resynthesised": []} for name in extra}
+    naturalness = {"original_audio": {}, "resynthesis": {}}  # utt -> the MOS judge's record fields
     for pair, wrong_text in zip(pairs.itertuples(index=False), wrong_sentence_texts(pairs["text"].tolist())):
         wav, sr = load_audio(pair.wav, None)
         prompt_wav, prompt_sr = load_audio(pair.prompt_wav, None)
@@ -209,6 +253,11 @@ def run_summary(ctx: StageContext) -> dict:
                 hyp = asr.transcribe(audio, rate)
                 extra_scores[name][kind].append(utterance_wer(pair.text, hyp))
                 rows[-1][f"{kind}_{name}"] = hyp
+        if models.mos is not None:
+            naturalness["original_audio"][pair.utt] = mos_fields(models.mos, wav, sr, pair.utt)
+            naturalness["resynthesis"][pair.utt] = mos_fields(
+                models.mos, resynth, models.vocoder.sample_rate, pair.utt
+            )
     save_table(pd.DataFrame(rows), ctx.out_dir / "floor_ceiling.jsonl")
     draft_done = json.loads((ctx.inputs["draft"] / "DONE.json").read_text())["summary"]
     summary = {
@@ -229,5 +278,11 @@ def run_summary(ctx: StageContext) -> dict:
             for kind in ("original", "resynthesised")
         },  # fmt: skip
     }
+    if models.mos is not None:
+        naturalness["generated_ar"] = {r["utt"]: r for r in read_records(ctx.out_dir / "ar" / RESULTS_FILE)}
+        resamples = int(cfg.eval.get("bootstrap_resamples", 1000))
+        summary.update(
+            naturalness_ordering(naturalness, resamples, int(cfg.seed)), mos_judge=cfg.mos._target_
+        )
     (ctx.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
