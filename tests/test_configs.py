@@ -16,7 +16,7 @@ from ssd.evaluation.schema import validate_sweep_config
 from ssd.training.schema import check_target_kwargs, validate_train_config
 
 SWEEP_GROUPS = ("target", "draft", "acceptance", "decoding", "eval", "speech_tokenizer", "vocoder", "asr", "sim",
-                "logger", "experiment")  # fmt: skip
+                "mos", "logger", "experiment")  # fmt: skip
 TRAIN_GROUPS = ("target", "draft", "data", "trainer", "logger")
 # LLaSA's X-codec 2 tokenizer and vocoder are not shipped yet: a LLaSA sweep names its own and is told so.
 # What the runner / trainer pass beside a node's own keys.
