@@ -191,3 +191,38 @@ def test_the_engine_audits_without_changing_the_decode():
         assert len(audit["beta_only"]) == sum(row["accepted"])  # one entry per kept draft token
     flags = [f for row in runs[1].rows for f in row["beta_audit"]["beta_only"]]
     assert 0 < sum(flags) < len(flags)
+
+
+# ---- the runner: group statistics, the stress test, the audit in records ---------------------------
+
+SWAP = "perturb={_target_:ssd.decoding.acceptance.GroupSwap,groups:{_target_:ssd.decoding.acceptance.PCGRule,group_size:3}}"
+AUDIT = "++acceptance.audit_groups={_target_:ssd.decoding.acceptance.PCGRule,group_size:3}"
+
+
+def test_runs_record_group_stats_the_swap_and_the_audit(micro_world, tmp_path):
+    from ssd.evaluation.run_dir import RESULTS_FILE, read_records
+    from ssd.evaluation.runner import baseline_key, evaluate
+    from tests.fixtures_eval import compose_sweep_config, sweep_overrides
+
+    def cfg(*extra):
+        return compose_sweep_config([*sweep_overrides(micro_world, 3, 20), "logger=none", *extra])
+
+    pcg = evaluate(cfg("acceptance=pcg", "acceptance.group_size=3"), tmp_path / "pcg")
+    assert pcg["group_mean_size"] == pytest.approx(3.0, abs=0.05) and pcg["group_size"] == 3.0
+    assert {"group_median_size", "group_singleton_fraction"} <= set(pcg) and "theta" in pcg["setting_keys"]
+
+    ar = evaluate(cfg("decoding=ar"), tmp_path / "ar")
+    assert baseline_key(cfg("decoding=ar", SWAP)) == baseline_key(cfg("decoding=ar"))  # the same AR baseline
+    swapped = evaluate(cfg("decoding=ar", SWAP, f"baseline_dir={tmp_path / 'ar'}"), tmp_path / "swap")
+    records = read_records(tmp_path / "swap" / RESULTS_FILE)
+    plain = {r["utt"]: r for r in read_records(tmp_path / "ar" / RESULTS_FILE)}
+    assert all(r["tokens"] == plain[r["utt"]]["tokens"] for r in records)  # the LM's tokens are AR's
+    assert sum(r["swapped"] for r in records) == sum(
+        sum(a != b for a, b in zip(r["tokens"], r["vocoded_tokens"])) for r in records
+    )
+    assert 0 < swapped["swap_fraction"] < 1 and "wer_delta_vs_ar" in swapped and "sim_delta_vs_ar" in swapped
+    assert swapped["swap_group_size"] == 3.0 and ar.get("swap_fraction") is None
+
+    evaluate(cfg("beta=0.4", AUDIT), tmp_path / "audit")
+    for record in read_records(tmp_path / "audit" / RESULTS_FILE):
+        assert len(record["beta_audit"]["beta_only"]) == sum(record["accepted"])

@@ -109,6 +109,8 @@ def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
 def _ar_runs(table: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
     """The finished decoding=ar runs of `table` with the row's target and eval."""
     same = (table["decoding"] == "ar") & (table["status"] == "ok")
+    if "swap_source" in table:  # PCG's stress test decodes AR too, but vocodes swapped tokens
+        same &= table["swap_source"].isna()
     for key in ("target", "eval"):
         if key in table:
             same &= table[key] == row.get(key)
