@@ -324,12 +324,13 @@ class PCGRule(AcceptanceRule):
     ):
         """embeddings [V, H]: the vectors the groups are built from (every id a speech token); None = built
         in `bind(target)` from `source`: "embedding" (the target's speech-token input embeddings, the
-        paper's choice), "mel" or "codec" (the toy codec in `codec_dir`: decoded log-mel frames, centroids).
+        paper's choice), "mel" or "codec" (the toy codec in `codec_dir`: decoded log-mel frames, centroids),
+        or "random" (a control: random vectors, groups of unrelated tokens).
         group_size: a mean group size over the speech tokens (>= 1); θ is then resolved at bind (the
         given theta is replaced and the resolved one labels the run)."""
         if source not in GROUP_SOURCES:
             raise ValueError(f"acceptance.source={source!r}: choose one of {list(GROUP_SOURCES)}")
-        if source != "embedding" and embeddings is None and not codec_dir:
+        if source in ("mel", "codec") and embeddings is None and not codec_dir:
             raise ValueError(
                 f"acceptance.source={source} builds groups from a toy codec: set acceptance.codec_dir "
                 "(e.g. ${toy_world.dir}/codec), or use acceptance.source=embedding"
@@ -503,16 +504,19 @@ class PCGRule(AcceptanceRule):
 
 
 # Where PCG's token vectors come from (PCGRule.source).
-GROUP_SOURCES = ("embedding", "mel", "codec")
+GROUP_SOURCES = ("embedding", "mel", "codec", "random")
 
 
 def group_vectors(source: str, target, speech_tokens: int, codec_dir: str | None = None) -> torch.Tensor:
     """[speech_tokens, H] vectors of head ids 0..speech_tokens-1 (head id N is codec token N):
     "embedding": the target's speech-token input embeddings; "mel": the log-mel frames a toy codec's decoder
     gives each token alone (average voice), flattened and centred over the vocabulary; "codec": the toy
-    codec's codebook centroids."""
+    codec's codebook centroids; "random": seeded random vectors (a control: groups of acoustically
+    unrelated tokens)."""
     if source == "embedding":
         return target.embed_speech(torch.arange(speech_tokens, device=target.device)).float().cpu()
+    if source == "random":
+        return torch.randn(speech_tokens, 64, generator=torch.Generator().manual_seed(0))
     from ssd.toy_world.codec import ToyCodec
 
     codec = ToyCodec.load(codec_dir)
