@@ -143,7 +143,7 @@ def coarse_reference(emb, theta, law):
 
 def test_pcg_groups_and_coarse_law_match_the_definition():
     rule, emb, p, q = pcg_setup()
-    assert 1 < rule.group_size.float().mean() < len(emb)  # overlapping, non-trivial groups
+    assert 1 < rule.sizes.float().mean() < len(emb)  # overlapping, non-trivial groups
     torch.testing.assert_close(rule.coarse_law(q.unsqueeze(0))[0], coarse_reference(emb, 0.3, q))
     assert rule.coarse_law(q.unsqueeze(0)).sum() == pytest.approx(1.0)
 
@@ -198,7 +198,8 @@ def test_every_shipped_rule_config_builds_its_rule_and_labels_its_runs():
         rule = instantiate(option_node("acceptance", option, **({"beta": 0.2} if option == "tolerance" else {})
                                       | ({"theta": 0.3} if option == "pcg" else {})))  # fmt: skip
         labels[rule.name] = rule.labels()
-    assert labels["tolerance"] == {"beta": 0.2} and labels["pcg"] == {"theta": 0.3}
+    assert labels["tolerance"] == {"beta": 0.2}
+    assert labels["pcg"] == {"theta": 0.3, "group_size": None, "source": "embedding"}
     assert labels["exact"] == labels["greedy"] == labels["target_only"] == {}
     assert set(labels) == {"exact", "tolerance", "greedy", "target_only", "typical", "synthetic", "pcg"}
 
@@ -216,7 +217,7 @@ def test_pcg_takes_its_groups_from_the_target_it_is_bound_to():
 
     bound = PCGRule(theta=0.9).bind(Target())
     direct = PCGRule(emb, theta=0.9)
-    assert torch.equal(bound.neighbors, direct.neighbors) and bound.group_size.tolist() == [2] * 8
+    assert torch.equal(bound.neighbors, direct.neighbors) and bound.sizes.tolist() == [2] * 8
 
 
 def _rules_for_streams():

@@ -82,7 +82,7 @@ def test_speculative_rows_decode_as_they_would_alone(name):
     assert len(set(rounds)) > 1 and batch.stats.rounds == max(rounds)  # rows finished at different rounds
     assert 0 < batch.stats.acceptance_rate < 1
     if name == "pcg":
-        assert int(rule.group_size.max()) > 1  # real groups, not one token each
+        assert int(rule.sizes.max()) > 1  # real groups, not one token each
 
 
 def test_batch_level_stats_are_the_sums_of_the_rows():

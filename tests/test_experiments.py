@@ -19,7 +19,10 @@ PAPER_EXPERIMENTS = {
     "table1_main",
     "table3_beta",
     "fig3_draft_len",
-    "pcg_vs_ssd",
+    "pcg_table1_main",
+    "pcg_table2_swap",
+    "pcg_table3_groups",
+    "pcg_fig4_lookahead",
     "exactness",
     "draft_training",
 }
@@ -45,7 +48,7 @@ def test_experiment_composes_with_the_sweep_config_and_documents_the_paper(name)
     # Toy sizes: the test splits hold 200 (test) and 50 (dev) utterances; see experiments/README.md for the time.
     assert 5 <= cfg.eval.n_utts <= 100, "toy budget: make reproduce-toy must fit in about an hour"
     for grid in cfg.reproduce.get("extra_grids") or []:
-        assert set(grid) <= set(cfg) | {"acceptance", "decoding"}, grid
+        assert {key.split(".")[0] for key in grid} <= set(cfg) | {"acceptance", "decoding"}, grid
 
 
 def test_table1_compares_ar_draft_alone_and_ssd_at_the_papers_setting():
@@ -67,14 +70,53 @@ def test_fig3_sweeps_draft_len_1_to_6_at_beta_04():
     assert cfg.acceptance.beta == 0.4 and cfg.reproduce.baseline and cfg.reproduce.dev
 
 
-def test_pcg_vs_ssd_sweeps_theta_and_adds_exact_and_ssd():
-    cfg = load_experiment("pcg_vs_ssd")
+def test_pcg_table1_sweeps_group_sizes_with_exact_ssd_the_papers_theta_and_a_dev_split():
+    cfg = load_experiment("pcg_table1_main")
     grid = _grid(cfg)
-    assert grid["acceptance"] == ["pcg"] and len(grid["theta"]) >= 3
-    assert "0.4" in grid["theta"]  # the paper: theta ~ 0.38-0.45
+    assert grid["acceptance"] == ["pcg"] and len(grid["acceptance.group_size"]) >= 3
     extra = [dict(g) for g in cfg.reproduce.extra_grids]
-    assert {"acceptance": "exact"} in extra
+    assert {"acceptance": "exact"} in extra and {
+        "acceptance": "pcg",
+        "theta": 0.4,
+    } in extra  # the paper's theta
     assert any(g["acceptance"] == "tolerance" and "0.4" in str(g["beta"]).split(",") for g in extra)
+    assert "eval=toy_dev" in cfg.reproduce.dev and cfg.reproduce.match.by == "acceptance_rate"
+
+
+def test_pcg_table2_swaps_ar_tokens_within_groups_with_a_random_group_control():
+    cfg = load_experiment("pcg_table2_swap")
+    assert cfg.decoding.mode == "ar" and cfg.perturb._target_.endswith("GroupSwap")
+    assert len(_grid(cfg)["perturb.groups.group_size"]) >= 3 and cfg.reproduce.baseline
+    assert any(g.get("perturb.groups.source") == "random" for g in cfg.reproduce.extra_grids)
+
+
+def test_pcg_table3_compares_group_sources_at_one_size_and_fig4_sweeps_lookahead_for_exact_and_pcg():
+    groups = load_experiment("pcg_table3_groups")
+    assert _grid(groups)["acceptance.source"] == ["embedding", "mel", "codec", "random"]
+    assert groups.acceptance._target_.endswith("PCGRule") and groups.acceptance.codec_dir
+    assert {"acceptance.group_size": 1} in [dict(g) for g in groups.reproduce.extra_grids]  # = exact SD
+    fig4 = load_experiment("pcg_fig4_lookahead")
+    assert [int(d) for d in _grid(fig4)["draft_len"]] == [1, 2, 3, 4, 5, 6]
+    assert [dict(g) for g in fig4.reproduce.extra_grids] == [
+        {"acceptance": "exact", "draft_len": "1,2,3,4,5,6"}
+    ]
+
+
+def test_table3_beta_audits_what_beta_admits():
+    cfg = load_experiment("table3_beta")
+    assert cfg.reproduce.study == "beta_audit" and cfg.acceptance.audit_groups._target_.endswith("PCGRule")
+
+
+def test_beta_audit_table_splits_beta_only_from_ratio_kept_tokens():
+    from ssd.experiments.beta_audit import audit_tokens, summarize_audit
+
+    record = {"beta_audit": {"beta_only": [1.0, 0.0, 0.0, 1.0], "q": [0.01, 0.5, 0.3, 0.02],
+                             "q_over_max": [0.02, 1.0, 0.6, 0.04], "is_argmax": [0.0, 1.0, 0.0, 0.0],
+                             "in_argmax_group": [1.0, 1.0, 0.0, 0.0], "group_q_mass": [0.6, 0.7, 0.3, 0.1]}}  # fmt: skip
+    beta_only, ratio = summarize_audit(audit_tokens([record, {"utt": "no audit"}]))
+    assert beta_only["n"] == 2 and beta_only["% of kept draft tokens"] == 50
+    assert beta_only["% in argmax's PCG group"] == 50 and beta_only["% with q(x)/max q < 0.1"] == 100
+    assert ratio["% = argmax q"] == 50 and ratio["% P(y ~ q shares x's group)"] == pytest.approx(50)
 
 
 def test_exactness_runs_ar_against_beta_0():
@@ -199,3 +241,29 @@ def test_results_dir_layout_is_documented():
     text = readme.read_text()
     for name in PAPER_EXPERIMENTS:
         assert f"results/{name}/summary.md" in text, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pcg_table2_swap", "table3_beta"])
+def test_the_pcg_stress_test_and_the_beta_audit_write_their_tables(micro_world, tmp_path, name):
+    from ssd.experiments.driver import reproduce
+
+    overrides = [
+        o for o in sweep_overrides(micro_world, n_utts=2, max_len=20) if not o.startswith("eval.n_speakers")
+    ]
+    overrides += ["eval.n_speakers=1", "draft.checkpoint=null"]
+    if name == "table3_beta":
+        overrides += ["hydra.sweeper.params.beta='0,0.4'", "reproduce.dev=['eval=toy_dev','eval.n_utts=2']"]
+    out = reproduce(name, tmp_path, overrides)
+    summary = (out / "summary.md").read_text()
+    assert "Where and why this run differs from the paper" in summary
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    if name == "pcg_table2_swap":
+        swapped = [r for r in rows if r.get("swap_fraction")]
+        assert len(swapped) == 6  # group sizes 2, 4, 8, 16 and the random control at 4 and 16
+        assert all(0 < float(r["swap_fraction"]) <= 1 and r["wer_delta_vs_ar"] != "" for r in swapped)
+        assert "91.4" in summary and "swapped %" in summary
+    else:
+        audit = list(csv.DictReader((out / "beta_audit.csv").open()))
+        assert [r["tokens"] for r in audit] == ["kept only because of β", "kept by the exact ratio"]
+        assert "β audit" in summary and (out / "fig_beta_audit_q_over_max.png").is_file()

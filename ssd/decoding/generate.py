@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.contracts import SpeechLM
-from ssd.decoding.acceptance import AcceptanceRule
+from ssd.decoding.acceptance import AUDIT_FIELDS, AcceptanceRule
 from ssd.decoding.rng import RowRandom
 from ssd.decoding.sampling import SamplingConfig, distribution, sample
 
@@ -383,6 +383,9 @@ class _Tally:
         self.tv = zeros(torch.float64) if tv else None
         self.per_round: list[torch.Tensor] = []
         self.draft_len: list[int] = []
+        self.k_max = k_max
+        # The β audit, per round: (fields [B, k, F], kept [B, k]).
+        self.audits: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def count(self, n_acc: torch.Tensor, active: torch.Tensor, k: int) -> torch.Tensor:
         """Record a round's verdicts; returns reached [B, k]: position i was tested by the rule."""
@@ -403,6 +406,27 @@ class _Tally:
             tv = 0.5 * (rule.output_law(ps, qs) - qs).abs().sum(-1)
             self.tv[:, :k] += torch.where(reached, tv.double(), 0.0)
 
+    def audit(self, fields: torch.Tensor, n_acc: torch.Tensor, active: torch.Tensor) -> None:
+        """Keep a round's β-audit fields (`ToleranceRule.audit`) of the draft tokens that were kept."""
+        k = fields.shape[1]
+        kept = (torch.arange(k, device=n_acc.device) < n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
+        pad = self.k_max - k  # adaptive rounds are shorter
+        self.audits.append(
+            (torch.nn.functional.pad(fields, (0, 0, 0, pad)), torch.nn.functional.pad(kept, (0, pad)))
+        )
+
+    def audit_rows(self, batch: int) -> list[dict | None]:
+        """Per row: {field: [value per kept draft token, in order]} (one device read), or None without audit."""
+        if not self.audits:
+            return [None] * batch
+        fields = torch.stack([f for f, _ in self.audits], 1).cpu()  # [B, R, k, F]
+        kept = torch.stack([m for _, m in self.audits], 1).cpu()
+        out = []
+        for b in range(batch):
+            values = fields[b][kept[b]]  # [n kept, F], in round then position order
+            out.append({name: values[:, i].tolist() for i, name in enumerate(AUDIT_FIELDS)})
+        return out
+
     def rows(self, counts: list[int], tv_is_zero: bool) -> list[dict]:
         """One dict per row (the DecodeResult.rows contract); the only device reads of the decode's stats."""
         per_round = torch.stack(self.per_round, 1).tolist() if self.per_round else [[] for _ in counts]
@@ -414,6 +438,7 @@ class _Tally:
             tv = self.tv.tolist()
         else:
             tv = [[0.0] * k_max if tv_is_zero else None for _ in counts]
+        audits = self.audit_rows(len(counts))
         rows = []
         for b, n_tokens in enumerate(counts):
             live = [r for r, n in enumerate(per_round[b]) if n >= 0]
@@ -424,6 +449,8 @@ class _Tally:
                 "accepted_per_round": [per_round[b][r] for r in live],
                 "draft_len_per_round": [self.draft_len[r] for r in live],
             })  # fmt: skip
+            if audits[b] is not None:
+                rows[-1]["beta_audit"] = audits[b]
         return rows
 
 
@@ -468,7 +495,9 @@ def decode_speculative(
               stats it gets decoded alone with its seed (a fixed draft_len; adaptive k is shared by the
               batch, so adaptive decoding accepts batch 1 only). A torch.Generator or None seeds fresh streams.
     diagnostics: compute β_t overlaps and (see track_tv) the exact TV, timed apart in stats.time_diagnostics
-              (not in time_total); off, overlap_sum is None and TV is not computed.
+              (not in time_total); off, overlap_sum is None and TV is not computed. A rule that
+              `audits_acceptance` (tolerance with audit_groups) also fills rows[b]["beta_audit"]:
+              `ToleranceRule.audit`'s fields for every kept draft token.
     track_tv: log the exact per-step TV between the rule's output law and q (default: on for rules that do
               not preserve q and whose law is O(V) to compute, e.g. tolerance β > 0, greedy). Untracked TV is
               None, or 0 for a rule that preserves the target law.
@@ -498,6 +527,8 @@ def decode_speculative(
     if track_tv is None:
         track_tv = not rule.preserves_target_law and getattr(rule, "cheap_output_law", False)
     track_tv = track_tv and diagnostics
+    # The β audit (ToleranceRule.audit): which kept draft tokens only β admitted; a diagnostic, off the clock.
+    audit = diagnostics and getattr(rule, "audits_acceptance", False)
     stats = DecodeStats()
     k_max = adaptive.max_len if adaptive else draft_len
     # Finished rows keep running and grow one token a round; a verify block holds up to k_max+1 rows.
@@ -564,7 +595,10 @@ def decode_speculative(
         out.watch(qs)
         clock.lap("verify")
 
-        n_acc, y = rule.verify(ps, qs, xs, generator)
+        if audit:  # the same verdicts and draws; the uniforms are kept for the diagnostic below
+            n_acc, y, uniforms = rule.verify_draws(ps, qs, xs, generator)
+        else:
+            n_acc, y = rule.verify(ps, qs, xs, generator)
         n_acc = torch.where(active, n_acc, 0)
         stats.rounds += 1
         reached = tally.count(n_acc, active, k)
@@ -584,6 +618,8 @@ def decode_speculative(
         clock.lap("accept")
         if diagnostics:
             tally.diagnose(rule, ps, qs[:, : ps.shape[1]], reached)
+            if audit:
+                tally.audit(rule.audit(ps, qs[:, : ps.shape[1]], xs, uniforms), n_acc, active)
             clock.lap("diagnostics")
     clock.write(stats)
     result_rows = tally.rows(out.count.tolist(), tv_is_zero=rule.preserves_target_law)

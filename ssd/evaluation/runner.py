@@ -159,6 +159,7 @@ class EvalModels:
     speaker: Any
     language: Any  # GridLanguage for the toy world, else None
     mos: Any = None  # the naturalness judge (ssd.contracts.MOSJudge), None for mos=none
+    perturb: Any = None  # `perturb` node (e.g. GroupSwap): rewrites generated tokens before vocoding
 
 
 def load_models(cfg: DictConfig) -> EvalModels:
@@ -206,7 +207,10 @@ def load_models(cfg: DictConfig) -> EvalModels:
             )
     if rule is not None:
         rule = rule.bind(target)
-    return EvalModels(target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language, mos)
+    perturb = _instantiate(cfg.perturb, "perturb").bind(target) if cfg.get("perturb") else None
+    return EvalModels(
+        target, sampling, draft, rule, speech_tokenizer, vocoder, asr, speaker, language, mos, perturb
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +325,9 @@ def _judge(cfg: DictConfig, m: EvalModels, item: Item, tokens: list[int], finish
 
     pair = item.pair
     token_rate = getattr(m.speech_tokenizer, "token_rate", 25)
-    codes = m.target.codec_tokens(tokens)
+    # The PCG stress test (perturb): the vocoder hears other tokens than the LM generated.
+    vocoded = m.perturb(tokens, item.seed) if m.perturb is not None else tokens
+    codes = m.target.codec_tokens(vocoded)
     start = time.perf_counter()
     wav = (
         m.vocoder.vocode(np.asarray(codes, dtype=np.int64), item.vprompt)
@@ -355,6 +361,10 @@ def _judge(cfg: DictConfig, m: EvalModels, item: Item, tokens: list[int], finish
     }  # fmt: skip
     if m.mos is not None:
         record.update(mos_fields(m.mos, wav, m.vocoder.sample_rate, pair.utt))
+    if m.perturb is not None:
+        record.update(vocoded_tokens=vocoded, swapped=sum(a != b for a, b in zip(tokens, vocoded)))
+    if row.get("beta_audit") is not None:  # the engine's β audit (per accepted draft token)
+        record["beta_audit"] = row["beta_audit"]
     if m.language is not None:
         if item.wrong_text is not None:
             wrong = utterance_wer(item.wrong_text, hypothesis)
@@ -508,6 +518,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
 
         metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
         metrics.update(run_labels(cfg, models), batch_size=batch_size, batch_note=batch_note)
+        metrics.update(group_metrics(models, records))
         if baseline:
             metrics.update(speedup_vs(metrics, records, Path(str(baseline)), cfg))
         run.write_metrics(metrics)
@@ -562,7 +573,24 @@ def run_labels(cfg: DictConfig, models: EvalModels) -> dict:
         labels.update(acceptance=getattr(rule, "name", type(rule).__name__), **rule_labels,
                       draft_len=int(cfg.decoding.draft_len), adaptive=bool(cfg.decoding.adaptive.enabled))  # fmt: skip
         setting += ["acceptance", *rule_labels, "draft_len", "adaptive"]
+    if models.perturb is not None:  # the stress test's groups name its runs
+        labels.update(models.perturb.labels())
+        setting += list(models.perturb.labels())
     return {**labels, "setting_keys": setting}
+
+
+def group_metrics(models: EvalModels, records: list[dict]) -> dict:
+    """PCG's groups (the rule's, or the stress test's): mean / median size, singleton fraction, resolved θ;
+    and for the stress test the fraction of generated tokens the vocoder heard swapped."""
+    out = {}
+    groups = models.rule if hasattr(models.rule, "group_stats") else None
+    if models.perturb is not None:
+        groups = models.perturb.groups
+        n_tokens = sum(r["n_tokens"] for r in records)
+        out["swap_fraction"] = sum(r["swapped"] for r in records) / n_tokens if n_tokens else None
+    if groups is not None:
+        out.update(groups.group_stats())
+    return out
 
 
 def speedup_vs(metrics: dict, records: list[dict], baseline_dir: Path, cfg: DictConfig) -> dict:
@@ -572,7 +600,7 @@ def speedup_vs(metrics: dict, records: list[dict], baseline_dir: Path, cfg: Dict
         (baseline_dir / METRICS_FILE).read_text()
     )  # its presence is checked before decoding
     out = {"baseline_dir": str(baseline_dir), "speedup": baseline["lm_rtf"] / metrics["lm_rtf"]}
-    if cfg.decoding.mode != "ar":
+    if cfg.decoding.mode != "ar" or cfg.get("perturb"):
         ar_records = read_records(baseline_dir / RESULTS_FILE, repair=False)
         out.update(
             paired_vs_ar(ar_records, records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
@@ -585,7 +613,7 @@ def speedup_vs(metrics: dict, records: list[dict], baseline_dir: Path, cfg: Dict
 # --------------------------------------------------------------------------------------------------
 
 # Keys that cannot change what decoding=ar computes (besides the run-dir bookkeeping of NON_RESULT_KEYS).
-_NOT_AR_KEYS = ("draft", "acceptance", "beta", "theta", "draft_len", "reproduce", "decoding")
+_NOT_AR_KEYS = ("draft", "acceptance", "beta", "theta", "draft_len", "reproduce", "decoding", "perturb")
 
 
 def baseline_config(cfg: DictConfig) -> DictConfig:
@@ -645,7 +673,7 @@ def run_job(cfg: DictConfig) -> dict | None:
     try:
         if (
             multirun
-            and cfg.decoding.mode != "ar"
+            and (cfg.decoding.mode != "ar" or cfg.get("perturb"))  # a perturbed AR run is compared with AR
             and not cfg.get("baseline_dir")
             and cfg.get("auto_baseline")
         ):

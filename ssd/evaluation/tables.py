@@ -111,6 +111,8 @@ def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
 def _ar_runs(table: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
     """The finished decoding=ar runs of `table` with the row's target and eval."""
     same = (table["decoding"] == "ar") & (table["status"] == "ok")
+    if "swap_source" in table:  # PCG's stress test decodes AR too, but vocodes swapped tokens
+        same &= table["swap_source"].isna()
     for key in ("target", "eval"):
         if key in table:
             same &= table[key] == row.get(key)
@@ -357,6 +359,18 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     tv_columns = [c for c in ok.columns if c.startswith("tv_") and c[3:].isdigit()]
     if tv_columns:  # per-step TV(output law, target law), mean over draft positions: 0 for exact rules
         out["TV drift"] = ok[tv_columns].mean(axis=1).map(lambda v: _fmt(v, 4))
+    if "group_mean_size" in ok and ok["group_mean_size"].notna().any():  # PCG's groups (rule or stress test)
+        out["group mean / median"] = [
+            "-"
+            if _missing(r.get("group_mean_size"))
+            else f"{r['group_mean_size']:.2f} / {r['group_median_size']:.0f}"
+            for _, r in ok.iterrows()
+        ]
+        out["singletons %"] = ok["group_singleton_fraction"].map(lambda v: _fmt(v * 100, 1))
+        out["θ (resolved)"] = ok["group_theta"].map(lambda v: _fmt(v, 3))
+    if "swap_fraction" in ok:  # the stress test: tokens swapped before vocoding, paired vs the AR run
+        out["swapped %"] = ok["swap_fraction"].map(lambda v: _fmt(v * 100, 1))
+        out["ΔSIM vs AR [95% CI]"] = [with_ci(r, "sim_delta_vs_ar") for _, r in ok.iterrows()]
     if "wer_wrong_sentence" in ok:
         out["WER vs wrong text %"] = ok["wer_wrong_sentence"].map(lambda v: _fmt(v * 100, 1))
     if "predicted_speedup" in ok and ok["predicted_speedup"].notna().any():
@@ -568,9 +582,12 @@ def select_on_dev(dev: pd.DataFrame, test: pd.DataFrame) -> tuple[str, pd.DataFr
     return text + "The same setting on the test split:\n\n", test.loc[[*ar.index, row.name]]
 
 
-def matched_speed(table: pd.DataFrame, reference: dict, candidates: dict) -> tuple[str, pd.DataFrame | None]:
+def matched_speed(
+    table: pd.DataFrame, reference: dict, candidates: dict, by: str = "speedup"
+) -> tuple[str, pd.DataFrame | None]:
     """The `reference` row (e.g. {acceptance: tolerance, beta: 0.4}) and the `candidates` row (e.g.
-    {acceptance: pcg}) with the closest speedup, shown with AR and the exact rules' rows."""
+    {acceptance: pcg}) with the closest `by` (speedup, or e.g. acceptance_rate), shown with AR and the exact
+    rules' rows."""
     ok = table[(table["status"] == "ok") & (table["decoding"] == "speculative")]
 
     def rows_like(setting: dict) -> pd.DataFrame:
@@ -579,16 +596,16 @@ def matched_speed(table: pd.DataFrame, reference: dict, candidates: dict) -> tup
             mask &= (ok[key] == value) if key in ok else False
         return ok[mask]
 
-    ref_rows, cand_rows = rows_like(reference), rows_like(candidates).dropna(subset=["speedup"])
-    if ref_rows.empty or cand_rows.empty or pd.isna(ref_rows["speedup"].iloc[0]):
-        return "Matched speed: the reference or candidate runs (or the AR baseline) are missing.\n", None
+    ref_rows, cand_rows = rows_like(reference), rows_like(candidates).dropna(subset=[by])
+    if ref_rows.empty or cand_rows.empty or pd.isna(ref_rows[by].iloc[0]):
+        return f"Matched {by}: the reference or candidate runs (or the AR baseline) are missing.\n", None
     ref = ref_rows.iloc[0]
-    best = cand_rows.loc[(cand_rows["speedup"] - ref["speedup"]).abs().idxmin()]
+    best = cand_rows.loc[(cand_rows[by] - ref[by]).abs().idxmin()]
     ar = table[(table["decoding"] == "ar") & (table["status"] == "ok")]
     beta = ok["beta"] if "beta" in ok else pd.Series(np.nan, index=ok.index)
     exact = ok[(ok["acceptance"] == "exact") | ((ok["acceptance"] == "tolerance") & (beta == 0))]
     text = (
-        f"Matched speed: {describe_setting(ref)} runs at {ref['speedup']:.2f}x; the closest candidate is "
-        f"{describe_setting(best)} at {best['speedup']:.2f}x.\n\n"
+        f"Matched {by}: {describe_setting(ref)} has {by} {ref[by]:.3f} (speedup {ref['speedup']:.2f}x); the "
+        f"closest candidate is {describe_setting(best)} at {best[by]:.3f} (speedup {best['speedup']:.2f}x).\n\n"
     )
     return text, table.loc[[*ar.index, *exact.index, ref.name, best.name]]

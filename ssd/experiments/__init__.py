@@ -9,9 +9,10 @@ node tells the driver (`ssd.experiments.driver`) what else to do:
       baseline: bool                  # also run decoding=ar into the same sweep dir (speedups)
       extra_grids: [{key: value}]     # further grids into the same sweep dir (e.g. exact rule, SSD betas)
       dev: [override, ...]            # the same grid(s) on a held-out split: choose the setting there
-      match: {reference: {...}, candidates: {...}}   # pair rows at matched speed (PCG vs SSD)
+      match: {reference: {...}, candidates: {...}, by: speedup|acceptance_rate}   # pair rows (PCG vs SSD)
       study: <name in STUDIES>        # experiment-specific work (below), with its own keys
       paper: [{setting, lm_rtf, speedup, wer_pct, ...}]   # the paper's numbers (docs/algorithms.md §1), shown as is
+      notes: str                      # where and why this run differs from the paper (a summary section)
 
 A study is a function `study(experiment) -> StudyResult`, run after the experiment's test sweeps and
 before its tables (`experiment` is a `driver.Experiment`: the config, the results dir, and how to run a
@@ -43,6 +44,7 @@ class StudyResult:
 Study = Callable[["Experiment"], StudyResult]
 
 # The modules below import StudyResult from here, so they come after it.
+from ssd.experiments.beta_audit import run_beta_audit_study  # noqa: E402
 from ssd.experiments.draft_training import train_and_evaluate_drafts  # noqa: E402
 from ssd.experiments.exactness import run_exactness_study  # noqa: E402
 
@@ -50,4 +52,5 @@ from ssd.experiments.exactness import run_exactness_study  # noqa: E402
 STUDIES: dict[str, Study] = {
     "exactness": run_exactness_study,
     "draft_training": train_and_evaluate_drafts,
+    "beta_audit": run_beta_audit_study,
 }

@@ -234,11 +234,14 @@ def reproduce(
         sections.append(section + f"\n\nDev split, every setting:\n\n{to_markdown(dev_shown)}")
     if spec.get("match"):
         match = OmegaConf.to_container(spec.match, resolve=True)
-        text, matched = matched_speed(test, match["reference"], match["candidates"])
+        by = match.get("by", "speedup")
+        text, matched = matched_speed(test, match["reference"], match["candidates"], by)
         shown_matched = to_markdown(display_table(matched)) if matched is not None else ""
-        sections.append("## Matched speed\n\n" + text + shown_matched)
+        sections.append(f"## Matched {by.replace('_', ' ')}\n\n" + text + shown_matched)
     sections += study.sections
     figures += study.figures
+    if spec.get("notes"):
+        sections.append(f"## Where and why this run differs from the paper\n\n{spec.notes}\n")
 
     paper = OmegaConf.to_container(spec.paper, resolve=True) if spec.get("paper") is not None else None
     summary = [
