@@ -7,7 +7,11 @@ never) changes the law, and the statistical certificates see it.
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import torch
+from scipy.stats import chisquare
 
 
 class TrigramLM:
@@ -56,3 +60,20 @@ def trigram_pair(vocab: int, seed: int, draft_noise: float = 1.0, scale: float =
     table = torch.randn(vocab + 1, vocab + 1, vocab, generator=g, dtype=torch.float64) * scale
     noisy = table + torch.randn(table.shape, generator=g, dtype=torch.float64) * draft_noise
     return TrigramLM(table), TrigramLM(noisy)
+
+
+def chi_square_fit(counts: Counter, law: dict[tuple, float]) -> tuple[float, int, float]:
+    """Chi-square goodness of fit (statistic, df, p) of observed sequence `counts` to an enumerated `law`;
+    cells with expected count < 5 are pooled; p = 0 when a sequence outside the law's support occurred."""
+    if set(counts) - set(law):
+        return float("inf"), 0, 0.0
+    n = sum(counts.values())
+    keys = sorted(law, key=law.get, reverse=True)
+    expected = np.array([law[k] * n for k in keys])
+    observed = np.array([counts.get(k, 0) for k in keys])
+    small = expected < 5
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        observed = np.append(observed[~small], observed[small].sum())
+    result = chisquare(observed, expected * observed.sum() / expected.sum())
+    return float(result.statistic), len(observed) - 1, float(result.pvalue)
