@@ -89,7 +89,8 @@ def test_a_rule_key_its_class_does_not_take_is_named(micro_world, tmp_path, noth
     with open_dict(cfg):
         cfg.acceptance.betta = 0.3  # a typo in a user's acceptance YAML
     with pytest.raises(
-        ValueError, match=r"config acceptance: unknown key\(s\) \['betta'\].*valid keys: \['beta'\]"
+        ValueError,
+        match=r"config acceptance: unknown key\(s\) \['betta'\].*valid keys: \['beta', 'audit_groups'\]",
     ):
         evaluate(cfg, tmp_path / "run")
 
