@@ -102,7 +102,9 @@ class SweepConfig:
     progress: bool = True
     reproduce: Any = None  # the experiment driver's notes (configs/experiment/)
     toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
-    perturb: Any = None  # tokens rewritten before vocoding (PCG's stress test: ssd.decoding.acceptance.GroupSwap)
+    perturb: Any = (
+        None  # tokens rewritten before vocoding (PCG's stress test: ssd.decoding.acceptance.GroupSwap)
+    )
 
 
 def plain(node: Any) -> Any:
