@@ -292,7 +292,6 @@ def decode_ar(
     *,
     max_len,
     min_len=0,
-    batch_size: int | None = None,
     generator: RowRandom | torch.Generator | None = None,
     role: str = "target",
 ) -> DecodeResult:
