@@ -68,9 +68,19 @@ class Shape:
     text_vocab: int = 1000
 
 
+def toy_shape() -> Shape:
+    """configs/target/toy.yaml's architecture with configs/draft/toy.yaml's layers (read, so they stay in step)."""
+    from ssd.config import compose
+
+    cfg = compose("train_draft", ["target=toy", "draft=toy"])
+    a, layers = cfg.target.architecture, int(cfg.target.architecture.num_hidden_layers)
+    draft = tuple(i % layers for i in cfg.draft.layers)
+    return Shape(a.hidden_size, layers, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size,
+                 int(cfg.target.speech_token_size), draft)  # fmt: skip
+
+
 SHAPES = {
-    # configs/target/toy.yaml's architecture; draft = configs/draft/toy.yaml's layers [0, 1, last].
-    "toy": Shape(192, 6, 6, 2, 512, 1024, (0, 1, 5)),
+    "toy": toy_shape(),
     # CosyVoice 2's LM (docs/targets.md §2.1) with the SSD paper's 8-layer draft (configs/draft/ssd_8layer.yaml).
     "cosyvoice2": Shape(896, 24, 14, 2, 4864, 6561, (0, 1, 18, 19, 20, 21, 22, 23)),
     # For smoke tests only: seconds on one CPU core.

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from ssd.data.grid_language import GridLanguage
 from ssd.toy_world import STAGES, build_toy_world
 from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, phone_state_labels
-from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, read_alignment, synthesize
+from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, flite_phones, read_alignment, synthesize
 from ssd.toy_world.stages import DONE_FILE, Stage
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -109,6 +109,22 @@ def test_language_deterministic_and_structured():
     assert got["colour"] is False and got["digit"] is False and got["noun"] is True
     with pytest.raises(ValueError, match="not a colour"):
         language.parse("place pink beside apple seven now")
+
+
+def test_phoneme_text_units(tmp_path):
+    """tokens.text_units=phoneme: each word becomes the phones flite speaks for it, in an HF tokenizer."""
+    from ssd.models.text_tokenizer import load_text_tokenizer, write_word_tokenizer
+
+    words = ["kitten", "nine", "now"]
+    lexicon = {w: flite_phones(w, "kal16") for w in words}
+    assert lexicon["kitten"] == ["k", "ih", "t", "ax", "n"] and lexicon["nine"] == ["n", "ay", "n"]
+    tok = load_text_tokenizer(write_word_tokenizer(words, tmp_path / "ph", lexicon=lexicon))
+    ids = tok("Kitten nine bogus now", add_special_tokens=False).input_ids
+    assert tok.convert_ids_to_tokens(ids) == ["k", "ih", "t", "ax", "n", "n", "ay", "n", "[UNK]", "n", "aw"]
+    words_tok = load_text_tokenizer(write_word_tokenizer(words, tmp_path / "w"))
+    assert len(words_tok("kitten nine now", add_special_tokens=False).input_ids) == 3  # the control: words
+    with pytest.raises(ValueError, match="also words"):
+        write_word_tokenizer(["now", "n"], tmp_path / "clash", lexicon={"now": ["n", "aw"], "n": ["eh", "n"]})
 
 
 def test_codec_round_trip(world):

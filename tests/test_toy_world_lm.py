@@ -42,13 +42,22 @@ def test_every_stage_finishes_and_is_summarised(full_micro_world):
     for stage in STAGES:
         assert read_done(root / stage) is not None, stage
     summary = json.loads((root / "summary" / "summary.json").read_text())
-    for key in ("wer_original_audio", "wer_resynthesis", "wer_generated_ar", "sim_generated_vs_prompt"):
+    for key in (
+        "wer_original_audio",
+        "wer_resynthesis",
+        "wer_generated_ar",
+        "sim_generated_vs_prompt",
+        "wer_generated_ar_dev",
+        "sim_generated_vs_prompt_dev",
+    ):
         assert summary[key] is not None and math.isfinite(summary[key]), key
     assert 0 <= summary["sim_generated_vs_prompt"] <= 1
     assert summary["target_tokens_per_s"] > 0
     assert "toy world" in stdout  # the summary table
     tokens = read_done(root / "tokens")["summary"]
     assert 0 < tokens["prompt_pairs"] < tokens["utterances"]  # same-speaker pairs in the zero-shot layout
+    assert tokens["text_units"] == "phoneme"
+    assert summary["n_dev_utts"] == 3  # the dev split too: unseen speakers, disjoint from test
 
 
 def test_prompt_pairs_join_two_utterances_of_one_speaker(full_micro_world):

@@ -9,7 +9,8 @@ word-level tokenizer of the toy world and of the tests.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +49,44 @@ def load_text_tokenizer(path: str | Path, extra_special_tokens: Sequence[str] = 
 
 
 def write_word_tokenizer(
-    words: Iterable[str], out_dir: str | Path, special_tokens: Sequence[str] = ()
+    words: Iterable[str],
+    out_dir: str | Path,
+    special_tokens: Sequence[str] = (),
+    lexicon: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """Write a word-level HF tokenizer (lowercase, whitespace split, "[UNK]" = id 0) to out_dir.
 
     Ids: [UNK] = 0, then the distinct lowercased words in first-seen order, then special_tokens.
-    Writes tokenizer.json + tokenizer_config.json; returns out_dir.
+    With `lexicon` (word -> units, e.g. its phones) the tokens are the units instead: a normalizer
+    rewrites each whole word as its units, so "kitten" gives [k, ih, t, ax, n] and a word outside the
+    lexicon stays one [UNK]. Writes tokenizer.json + tokenizer_config.json; returns out_dir.
     """
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {UNK: 0}
+    rewrites = []
     for word in words:
         word = word.strip().lower()
         if not word or any(ch.isspace() for ch in word):
             raise ValueError(f"write_word_tokenizer: {word!r} is not a single non-empty word")
-        vocab.setdefault(word, len(vocab))
+        if lexicon is None:
+            vocab.setdefault(word, len(vocab))
+            continue
+        units = [str(u).lower() for u in lexicon.get(word, ())]
+        if not units or not all(u.isalnum() for u in units):
+            raise ValueError(f"write_word_tokenizer: lexicon[{word!r}] = {units}: give alphanumeric units")
+        for unit in units:
+            vocab.setdefault(unit, len(vocab))
+        # Units are lowercase alphanumerics: a rewritten word can never match another word's pattern.
+        rewrites.append(normalizers.Replace(Regex(rf"\b{re.escape(word)}\b"), " ".join(units)))
+    clashes = sorted(set(vocab) & {w.strip().lower() for w in (lexicon or {})})
+    if clashes:
+        raise ValueError(
+            f"write_word_tokenizer: units {clashes} are also words: a rewrite would be rewritten again"
+        )
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.normalizer = normalizers.Lowercase()
+    core.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rewrites])
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token=UNK)
     if special_tokens:

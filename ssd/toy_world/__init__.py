@@ -25,7 +25,7 @@ STAGES: list[Stage] = [
     Stage("tokens", run_tokens, version=1),
     Stage("target", run_target, version=1, fingerprint=target_fingerprint),
     Stage("draft", run_draft, version=1),
-    Stage("summary", run_summary, version=1),
+    Stage("summary", run_summary, version=2),
 ]
 
 

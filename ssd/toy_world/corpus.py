@@ -177,6 +177,16 @@ def synthesize(
     return np.clip(wav, -0.99, 0.99).astype(np.float32), alignment
 
 
+def flite_phones(word: str, voice: str) -> list[str]:
+    """The phones flite speaks for one word (its lexicon and letter-to-sound rules), pauses dropped."""
+    if shutil.which("flite") is None:
+        raise RuntimeError("toy corpus needs the `flite` binary: apt-get install -y flite")
+    out = subprocess.run(["flite", "-voice", voice, "-psdur", "-t", word, "-o", "none"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    phones = [seg.rsplit(":", 1)[0] for seg in out.split()]
+    return [p for p in phones if p != "pau"]
+
+
 def write_alignment(path: Path, alignment: Sequence[tuple[str, float]]) -> None:
     path.write_text("".join(f"{phone} {end:.3f}\n" for phone, end in alignment))
 

@@ -20,6 +20,7 @@ import pandas as pd
 from ssd.config import compose, option_node
 from ssd.toy_world.audio_stages import corpus_language
 from ssd.toy_world.codec import ToyCodec
+from ssd.toy_world.corpus import flite_phones
 from ssd.toy_world.stages import StageContext
 
 
@@ -47,7 +48,14 @@ def run_tokens(ctx: StageContext) -> dict:
     from ssd.models.text_tokenizer import write_word_tokenizer
 
     words = sorted({w for slot in corpus_language(ctx.world["corpus"]).slots.values() for w in slot})
-    text_tokenizer = write_word_tokenizer(words, ctx.out_dir / "text_tokenizer")
+    units = ctx.config.get("text_units", "word")
+    if units not in ("word", "phoneme"):
+        raise ValueError(f"toy_world.tokens.text_units: {units!r}; choose word or phoneme")
+    lexicon = None
+    if units == "phoneme":  # each word as the phones flite speaks for it (the corpus' first voice)
+        voice = ctx.world["corpus"]["speakers"]["voices"][0]
+        lexicon = {w: flite_phones(w, voice) for w in words}
+    text_tokenizer = write_word_tokenizer(words, ctx.out_dir / "text_tokenizer", lexicon=lexicon)
     prepare_corpus(
         ctx.inputs["corpus"],
         ctx.out_dir / "shards",
@@ -60,7 +68,7 @@ def run_tokens(ctx: StageContext) -> dict:
     summary = json.loads((ctx.out_dir / "shards" / "summary.json").read_text())
     pairs = write_prompt_pairs(ctx.out_dir / "shards") if ctx.config.get("prompt_pairs", False) else 0
     return {"utterances": summary["n_kept"], "prompt_pairs": pairs, "speech_tokens": summary["speech_tokens"],
-            "text_words": len(words)}  # fmt: skip
+            "text_words": len(words), "text_units": units}  # fmt: skip
 
 
 def write_prompt_pairs(shard_dir: Path) -> int:
@@ -217,6 +225,12 @@ def run_summary(ctx: StageContext) -> dict:
     ]
     cfg = compose("sweep", overrides)
     ar = evaluate(cfg, run_dir=ctx.out_dir / "ar")
+    # The dev split (unseen speakers, disjoint from test): where the toy world's levers were chosen.
+    # eval=toy_dev is a group choice, applied before the summary's values; its speakers are the world's.
+    dev_cfg = compose(
+        "sweep", [*overrides, "eval=toy_dev", f"eval.n_speakers={ctx.world['eval']['dev_speakers']}"]
+    )
+    dev = evaluate(dev_cfg, run_dir=ctx.out_dir / "ar_dev")
 
     # Floor and ceiling on the same test utterances, with the same judge and the same vocoder
     # conditioning (the pair's prompt utterance) as the generations get.
@@ -269,6 +283,11 @@ def run_summary(ctx: StageContext) -> dict:
         "wer_generated_vs_wrong_text": ar.get("wer_wrong_sentence"),
         "slot_accuracy_generated": ar.get("slot_accuracy"),
         "sim_generated_vs_prompt": ar.get("sim"),
+        "n_dev_utts": dev.get("num_utterances"),
+        "wer_generated_ar_dev": dev.get("wer"),
+        "wer_generated_vs_wrong_text_dev": dev.get("wer_wrong_sentence"),
+        "slot_accuracy_generated_dev": dev.get("slot_accuracy"),
+        "sim_generated_vs_prompt_dev": dev.get("sim"),
         "target_tokens_per_s": ar.get("tokens_per_sec"),
         "draft_alpha_dev": draft_done.get("dev_alpha_target_sampling"),
         "draft_alpha_dev_before_training": draft_done.get("before_dev_alpha_target_sampling"),
