@@ -103,3 +103,19 @@ def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys
         with pytest.raises(SystemExit) as exit_info:
             gpu_check.parse_args([])
         assert exit_info.value.code == 2
+
+
+def test_bench_sweep_times_batch_1_against_batched_and_finds_them_identical(micro_world, tmp_path):
+    from tests.fixtures_eval import sweep_overrides
+
+    bench = load_script("bench_sweep")
+    out = tmp_path / "bench"
+    args = [*sweep_overrides(micro_world, n_utts=3, max_len=15), "--grid", "beta=0,0.4", "--batch", "3", "--out", str(out)]
+    assert bench.main(args) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["all_identical"] is True and result["wall_s_batch1"] > 0 and result["wall_s_batch3"] > 0
+    assert {"beta=0", "beta=0.4"} < set(result["jobs"]) and len(result["jobs"]) == 3  # + the AR baseline
+    assert all(j["utterances"] == 3 and j["tokens_identical"] for j in result["jobs"].values())
+    assert {p.name for p in out.iterdir()} >= {"summary.md", "command.txt", "machine.txt", "git_commit.txt"}
+    with pytest.raises(SystemExit, match="exists"):  # a timing never reuses a finished sweep dir
+        bench.main(args)

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""The user's sweep, batch 1 vs batched evaluation, side by side in one run.
+
+  python scripts/bench_sweep.py                                  # beta=0,0.2,0.4 draft_len=2,3,4 on the toy world
+  python scripts/bench_sweep.py --batch 8 --grid beta=0,0.4 draft_len=3 --out /tmp/bench_sweep
+
+Runs `sweep.py -m <grid>` twice, each a fresh sweep dir with its AR baseline (auto_baseline):
+eval.batch_size=1, then eval.batch_size=<batch>, each timed end to end (wall clock of the whole command,
+model loading, judges and tables included). Then it checks what batching must not change: every
+utterance's tokens, and each job's WER, SIM and acceptance. Writes results.json, summary.md, command.txt,
+machine.txt and git_commit.txt into --out (both sweep dirs under --out/runs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from ssd.evaluation.provenance import git_description, machine_description  # noqa: E402
+from ssd.evaluation.run_dir import RESULTS_FILE, read_records  # noqa: E402
+
+COMPARED = ("wer", "sim", "acceptance_rate")  # metrics.json keys that batching must leave unchanged
+
+
+def job_dirs(sweep_dir: Path) -> dict[str, Path]:
+    """{job name without the batch-size item: dir} of every finished job (its metrics.json), baselines too."""
+    found = {}
+    for metrics in sorted(sweep_dir.rglob("metrics.json")):
+        name = ",".join(i for i in metrics.parent.name.split(",") if not i.startswith("eval.batch_size="))
+        found[str(metrics.parent.parent.relative_to(sweep_dir) / name)] = metrics.parent
+    return found
+
+
+def compare(a: Path, b: Path) -> dict:
+    """Per-utterance tokens and the COMPARED metrics of one job at batch 1 (a) and batched (b)."""
+    tokens = [{r["utt"]: r["tokens"] for r in read_records(d / RESULTS_FILE, repair=False)} for d in (a, b)]
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (a, b)]
+    return {
+        "utterances": len(tokens[0]),
+        "tokens_identical": tokens[0] == tokens[1] and len(tokens[0]) > 0,
+        **{f"{k}_identical": metrics[0].get(k) == metrics[1].get(k) for k in COMPARED},
+        **{f"{k}_batch1": metrics[0].get(k) for k in COMPARED},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", nargs="+", default=["beta=0,0.2,0.4", "draft_len=2,3,4"])
+    parser.add_argument("--batch", type=int, default=8, help="the batched run's eval.batch_size")
+    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "bench_sweep")
+    parser.add_argument("overrides", nargs="*", help="extra KEY=VALUE for both sweeps (not job-naming)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    walls, commands = {}, []
+    for batch in (1, args.batch):
+        sweep_dir = args.out / "runs" / f"batch{batch}"
+        if sweep_dir.exists():
+            sys.exit(f"{sweep_dir} exists: a timing needs fresh sweep dirs (move it away or choose --out)")
+        cmd = [sys.executable, "sweep.py", "-m", *args.grid, f"eval.batch_size={batch}", "logger=none",
+               "progress=false", f"hydra.sweep.dir={sweep_dir}", *args.overrides]  # fmt: skip
+        commands.append(" ".join(cmd[1:]))
+        print(f"batch {batch}: {commands[-1]}", flush=True)
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, env=env, check=True)
+        walls[batch] = time.perf_counter() - start
+    runs = [job_dirs(args.out / "runs" / f"batch{b}") for b in (1, args.batch)]
+    if not runs[0] or set(runs[0]) != set(runs[1]):
+        sys.exit(f"the two sweeps finished different jobs: {sorted(runs[0])} vs {sorted(runs[1])}")
+    jobs = {name: compare(runs[0][name], runs[1][name]) for name in sorted(runs[0])}
+    identical = all(all(v for k, v in j.items() if k.endswith("_identical")) for j in jobs.values())
+    result = {"grid": args.grid, "batch": args.batch, "wall_s_batch1": round(walls[1], 1),
+              f"wall_s_batch{args.batch}": round(walls[args.batch], 1),
+              "speedup": round(walls[1] / walls[args.batch], 2), "all_identical": identical, "jobs": jobs}  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    (args.out / "command.txt").write_text(f"python scripts/bench_sweep.py {' '.join(sys.argv[1:])}\n" + "\n".join(commands) + "\n")
+    (args.out / "machine.txt").write_text(machine_description())
+    (args.out / "git_commit.txt").write_text(git_description(REPO))
+    rows = [f"| {n} | {j['utterances']} | {j['tokens_identical']} | "
+            + " | ".join(f"{j[f'{k}_batch1']:.4f} ({'=' if j[f'{k}_identical'] else '≠'})" if j[f"{k}_batch1"] is not None
+                         else "—" for k in COMPARED) + " |" for n, j in jobs.items()]  # fmt: skip
+    summary = [
+        f"# The user's sweep, batch 1 vs batch {args.batch}",
+        "",
+        f"`python sweep.py -m {' '.join(args.grid)}` (with its AR baseline), run twice by `scripts/bench_sweep.py`",
+        "(command.txt, machine.txt, git_commit.txt). Wall clock of the whole command each time.",
+        "",
+        f"| | batch 1 | batch {args.batch} |",
+        "|---|---|---|",
+        f"| wall time | {walls[1]:.1f} s | {walls[args.batch]:.1f} s ({result['speedup']:.2f}× faster) |",
+        "",
+        f"Every job's per-utterance tokens and metrics identical: **{identical}**.",
+        "",
+        "| job | utterances | tokens identical | " + " | ".join(f"{k} (batch 1; = same batched)" for k in COMPARED) + " |",
+        "|---|---|---|" + "---|" * len(COMPARED),
+        *rows,
+        "",
+    ]
+    (args.out / "summary.md").write_text("\n".join(summary))
+    print("\n".join(summary))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
