@@ -52,7 +52,9 @@ def compare(a: Path, b: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--grid", nargs="+", default=["beta=0,0.2,0.4", "draft_len=2,3,4"])
     parser.add_argument("--batch", type=int, default=8, help="the batched run's eval.batch_size")
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "bench_sweep")
@@ -81,7 +83,9 @@ def main(argv=None) -> int:
               f"wall_s_batch{args.batch}": round(walls[args.batch], 1),
               "speedup": round(walls[1] / walls[args.batch], 2), "all_identical": identical, "jobs": jobs}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    (args.out / "command.txt").write_text(f"python scripts/bench_sweep.py {' '.join(sys.argv[1:])}\n" + "\n".join(commands) + "\n")
+    (args.out / "command.txt").write_text(
+        f"python scripts/bench_sweep.py {' '.join(sys.argv[1:])}\n" + "\n".join(commands) + "\n"
+    )
     (args.out / "machine.txt").write_text(machine_description())
     (args.out / "git_commit.txt").write_text(git_description(REPO))
     rows = [f"| {n} | {j['utterances']} | {j['tokens_identical']} | "
@@ -99,7 +103,9 @@ def main(argv=None) -> int:
         "",
         f"Every job's per-utterance tokens and metrics identical: **{identical}**.",
         "",
-        "| job | utterances | tokens identical | " + " | ".join(f"{k} (batch 1; = same batched)" for k in COMPARED) + " |",
+        "| job | utterances | tokens identical | "
+        + " | ".join(f"{k} (batch 1; = same batched)" for k in COMPARED)
+        + " |",
         "|---|---|---|" + "---|" * len(COMPARED),
         *rows,
         "",

@@ -110,7 +110,15 @@ def test_bench_sweep_times_batch_1_against_batched_and_finds_them_identical(micr
 
     bench = load_script("bench_sweep")
     out = tmp_path / "bench"
-    args = [*sweep_overrides(micro_world, n_utts=3, max_len=15), "--grid", "beta=0,0.4", "--batch", "3", "--out", str(out)]
+    args = [
+        *sweep_overrides(micro_world, n_utts=3, max_len=15),
+        "--grid",
+        "beta=0,0.4",
+        "--batch",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert bench.main(args) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["all_identical"] is True and result["wall_s_batch1"] > 0 and result["wall_s_batch3"] > 0

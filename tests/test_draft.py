@@ -50,6 +50,19 @@ def test_frozen_tensors_equal_source_layers_and_flags_are_right(target):
     assert not any(p.requires_grad for p in copied.parameters())
 
 
+def test_layers_names_every_draft_layer_whatever_the_depth(target, tmp_path):
+    for layers in ([0], [0, 1, -1]):
+        draft = build_draft(target, layers=layers, trainable=["layers", "head"])
+        explicit = [f"layers.{j}" for j in range(len(layers))] + ["head"]
+        assert list(draft.recipe.trainable) == explicit  # stored expanded: checkpoints say what they hold
+        assert all(p.requires_grad for p in draft.model.backbone.layers.parameters())
+        save_draft(tmp_path / "d.pt", draft)
+        again = build_draft(target, layers=layers, trainable=["layers", "head"], checkpoint=tmp_path / "d.pt")
+        assert again.recipe == draft.recipe
+    only_first = build_draft(target, layers=[0, 1], trainable=["layers.0"])  # the control: one layer named
+    assert not any(p.requires_grad for p in only_first.model.backbone.layers[1].parameters())
+
+
 def test_training_the_draft_leaves_the_target_unchanged(target):
     before = target.llm_decoder.weight.detach().clone()
     draft = build_draft(target, layers=[0], trainable=["head"])

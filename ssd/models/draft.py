@@ -125,7 +125,7 @@ def build_draft(
     """A draft of the target's class from target layers `layers` (see the module docstring).
 
     layers: target layer indices; negative ones count from the top (-1 = last), as in Python.
-    trainable: draft-local group names; everything else gets requires_grad=False.
+    trainable: draft-local group names ("layers" = all draft layers); everything else gets requires_grad=False.
     checkpoint: a file from save_draft with the same recipe, whose trained tensors are loaded.
     name: a label (the draft config's name), kept as draft.name.
     """
@@ -138,6 +138,9 @@ def build_draft(
     draft = target.draft_skeleton(len(layers))
     group_of = _group_of(draft)
     valid = list(draft.module_groups())
+    # "layers" names every draft layer, so one config fits drafts of any depth (configs/draft/toy.yaml).
+    every_layer = [g for g in valid if g.startswith("layers.")]
+    trainable = list(dict.fromkeys(n for t in trainable for n in (every_layer if t == "layers" else [t])))
     unknown = [name for name in trainable if name not in valid]
     if unknown:
         raise ValueError(f"draft trainable names {unknown} are unknown; valid names: {valid}")
