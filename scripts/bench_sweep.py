@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,18 +26,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from ssd.evaluation.provenance import git_description, machine_description  # noqa: E402
-from ssd.evaluation.run_dir import RESULTS_FILE, read_records  # noqa: E402
+from ssd.evaluation.run_dir import BASELINES_DIR, RESULTS_FILE, read_records  # noqa: E402
 
 COMPARED = ("wer", "sim", "acceptance_rate")  # metrics.json keys that batching must leave unchanged
 
 
-def job_dirs(sweep_dir: Path) -> dict[str, Path]:
-    """{job name without the batch-size item: dir} of every finished job (its metrics.json), baselines too."""
+def job_dirs(sweep_dir: Path, grid_keys: list[str]) -> dict[str, Path]:
+    """{job: dir} of every finished job (its metrics.json), named by its grid values as its saved config
+    holds them (dir names carry every override and may be length-capped); the AR baseline is `baseline`."""
+    from omegaconf import OmegaConf
+
     found = {}
     for metrics in sorted(sweep_dir.rglob("metrics.json")):
-        name = ",".join(i for i in metrics.parent.name.split(",") if not i.startswith("eval.batch_size="))
-        found[str(metrics.parent.parent.relative_to(sweep_dir) / name)] = metrics.parent
+        cfg = OmegaConf.load(metrics.parent / "config.yaml")
+        name = ",".join(f"{k}={OmegaConf.select(cfg, k)}" for k in grid_keys)
+        found["baseline" if BASELINES_DIR in metrics.parent.relative_to(sweep_dir).parts else name] = (
+            metrics.parent
+        )
     return found
+
+
+def same(x, y) -> bool:
+    """Equal, counting two NaNs (AR's undefined acceptance) as equal."""
+    return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -46,7 +58,7 @@ def compare(a: Path, b: Path) -> dict:
     return {
         "utterances": len(tokens[0]),
         "tokens_identical": tokens[0] == tokens[1] and len(tokens[0]) > 0,
-        **{f"{k}_identical": metrics[0].get(k) == metrics[1].get(k) for k in COMPARED},
+        **{f"{k}_identical": same(metrics[0].get(k), metrics[1].get(k)) for k in COMPARED},
         **{f"{k}_batch1": metrics[0].get(k) for k in COMPARED},
     }
 
@@ -74,7 +86,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         subprocess.run(cmd, cwd=REPO, env=env, check=True)
         walls[batch] = time.perf_counter() - start
-    runs = [job_dirs(args.out / "runs" / f"batch{b}") for b in (1, args.batch)]
+    grid_keys = [g.split("=", 1)[0] for g in args.grid]
+    runs = [job_dirs(args.out / "runs" / f"batch{b}", grid_keys) for b in (1, args.batch)]
     if not runs[0] or set(runs[0]) != set(runs[1]):
         sys.exit(f"the two sweeps finished different jobs: {sorted(runs[0])} vs {sorted(runs[1])}")
     jobs = {name: compare(runs[0][name], runs[1][name]) for name in sorted(runs[0])}
