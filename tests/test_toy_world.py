@@ -275,3 +275,13 @@ def test_config_errors_name_the_key(tmp_path):
         build_toy_world(cfg, tmp_path, progress=False)
     assert (tmp_path / "corpus" / DONE_FILE).exists()
     assert not (tmp_path / "codec" / DONE_FILE).exists()
+
+
+def test_a_changed_draft_recipe_rebuilds_the_draft_stage():
+    """The draft checkpoint records its recipe, so the stage's hash must follow configs/draft/toy.yaml."""
+    from ssd.toy_world.lm_stages import draft_fingerprint
+
+    same = draft_fingerprint({"overrides": ["max_steps=300"]})
+    assert same == draft_fingerprint({"overrides": ["max_steps=300"]})
+    assert same != draft_fingerprint({"overrides": ["max_steps=300", "draft.trainable=[head]"]})
+    assert same != draft_fingerprint({"overrides": ["max_steps=300", "draft.layers=[0,-1]"]})

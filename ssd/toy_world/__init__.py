@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ssd.toy_world.audio_stages import corpus_fingerprint, run_codec, run_corpus
-from ssd.toy_world.lm_stages import run_draft, run_summary, run_target, run_tokens, target_fingerprint
+from ssd.toy_world.lm_stages import (
+    draft_fingerprint,
+    run_draft,
+    run_summary,
+    run_target,
+    run_tokens,
+    target_fingerprint,
+)
 from ssd.toy_world.stages import Stage, StageResult, build_stages
 
 # Names, versions and fingerprints are part of each stage's input hash: changing one rebuilds that stage
@@ -24,7 +31,7 @@ STAGES: list[Stage] = [
     Stage("codec", run_codec, version=2),
     Stage("tokens", run_tokens, version=1),
     Stage("target", run_target, version=1, fingerprint=target_fingerprint),
-    Stage("draft", run_draft, version=1),
+    Stage("draft", run_draft, version=1, fingerprint=draft_fingerprint),
     Stage("summary", run_summary, version=2),
 ]
 

@@ -134,9 +134,7 @@ def synthesize(
     """One utterance as float32 mono at `sample_rate`, loudness-normalised to `rms_dbfs`, and its phone
     alignment [(phone, end_seconds), ...] (flite's segments; sox's pitch keeps durations, tempo scales them).
     """
-    for tool in ("flite", "sox"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"toy corpus needs the `{tool}` binary: apt-get install -y flite sox")
+    _require("flite", "sox")
     with tempfile.TemporaryDirectory(prefix="toy_tts_") as tmp:
         raw, out = Path(tmp) / "flite.wav", Path(tmp) / "sox.wav"
         flite = subprocess.run(
@@ -145,10 +143,7 @@ def synthesize(
             capture_output=True,
             text=True,
         )
-        alignment = [
-            (phone, float(end) / speaker.tempo)
-            for phone, end in (seg.rsplit(":", 1) for seg in flite.stdout.split())
-        ]
+        alignment = [(phone, end / speaker.tempo) for phone, end in _segments(flite.stdout)]
         effects: list[str] = []
         if speaker.pitch_cents:
             effects += ["pitch", str(speaker.pitch_cents)]
@@ -177,14 +172,23 @@ def synthesize(
     return np.clip(wav, -0.99, 0.99).astype(np.float32), alignment
 
 
+def _require(*tools: str) -> None:
+    for tool in tools:
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"toy corpus needs the `{tool}` binary: apt-get install -y flite sox")
+
+
+def _segments(psdur: str) -> list[tuple[str, float]]:
+    """flite -psdur output ("phone:end_seconds ...") as [(phone, end_seconds), ...]."""
+    return [(phone, float(end)) for phone, end in (seg.rsplit(":", 1) for seg in psdur.split())]
+
+
 def flite_phones(word: str, voice: str) -> list[str]:
     """The phones flite speaks for one word (its lexicon and letter-to-sound rules), pauses dropped."""
-    if shutil.which("flite") is None:
-        raise RuntimeError("toy corpus needs the `flite` binary: apt-get install -y flite")
+    _require("flite")
     out = subprocess.run(["flite", "-voice", voice, "-psdur", "-t", word, "-o", "none"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
-    phones = [seg.rsplit(":", 1)[0] for seg in out.split()]
-    return [p for p in phones if p != "pau"]
+    return [phone for phone, _ in _segments(out) if phone != "pau"]
 
 
 def write_alignment(path: Path, alignment: Sequence[tuple[str, float]]) -> None:

@@ -42,6 +42,16 @@ def target_fingerprint(section: dict) -> dict:
     return OmegaConf.to_container(_target_config(section), resolve=False)
 
 
+def draft_fingerprint(section: dict) -> dict:
+    """The draft stage's extra input: configs/draft/toy.yaml as composed with the stage's overrides (a change
+    to the draft's layers or trainable parts rebuilds the draft, whose checkpoint records that recipe)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(
+        compose("train_draft", ["draft=toy", *_overrides(section)]).draft, resolve=False
+    )
+
+
 def run_tokens(ctx: StageContext) -> dict:
     """Token shards of the corpus (text: a word tokenizer of the toy language; speech: the toy codec)."""
     from ssd.data.prepare import prepare_corpus
