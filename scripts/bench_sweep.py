@@ -46,6 +46,12 @@ def job_dirs(sweep_dir: Path, grid_keys: list[str]) -> dict[str, Path]:
     return found
 
 
+def toy_batch_size() -> int:
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(REPO / "configs" / "eval" / "toy.yaml").batch_size)
+
+
 def same(x, y) -> bool:
     """Equal, counting two NaNs (AR's undefined acceptance) as equal."""
     return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
@@ -68,7 +74,8 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--grid", nargs="+", default=["beta=0,0.2,0.4", "draft_len=2,3,4"])
-    parser.add_argument("--batch", type=int, default=8, help="the batched run's eval.batch_size")
+    parser.add_argument("--batch", type=int, default=toy_batch_size(),
+                        help="the batched run's eval.batch_size (default: configs/eval/toy.yaml's)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "bench_sweep")
     parser.add_argument("overrides", nargs="*", help="extra KEY=VALUE for both sweeps (not job-naming)")
     args = parser.parse_args(argv)

@@ -84,7 +84,7 @@ class DNSMOS:
 
     primary = "ovrl"
 
-    def __init__(self, personalized: bool = False, p808: bool = True, num_threads: int = 1,
+    def __init__(self, personalized: bool = False, p808: bool = True, num_threads: int | None = 1,
                  model_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
         root = Path(str(model_dir)) if model_dir is not None else speechmos_model_dir()
         self.personalized = bool(personalized)
@@ -99,7 +99,7 @@ class DNSMOS:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = int(num_threads)
+        options.intra_op_num_threads = int(num_threads or 0)  # 0: onnxruntime's default
         options.inter_op_num_threads = 1
 
         def session(path: Path):

@@ -246,8 +246,8 @@ def lm_prompt(m: EvalModels, items: list[Item]) -> Any:
 def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int | None = None):
     """Decode `items` as one batch (ragged prompts, per-row seeds and length limits); returns
     (result, min_len [B], max_len [B]). `max_tokens` caps the length (the warm-up's short decode)."""
-    from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
     from ssd.decoding.rng import RowRandom
+    from ssd.models.transformer import batch_invariant
 
     prompt = lm_prompt(m, items)
     min_len, max_len = (torch.as_tensor(t, dtype=torch.long).cpu() for t in m.target.length_limits(prompt))
@@ -256,6 +256,13 @@ def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int |
         max_len = max_len.clamp(max=int(cap))
         min_len = torch.minimum(min_len, max_len)
     generator = RowRandom([it.seed for it in items], m.target.device)
+    with batch_invariant(batch_invariant_numerics(cfg, m)):
+        return _decode_rows(cfg, m, prompt, generator, min_len, max_len)
+
+
+def _decode_rows(cfg, m, prompt, generator, min_len, max_len):
+    from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
+
     mode = cfg.decoding.mode
     if mode == "ar":
         result = decode_ar(
@@ -275,6 +282,16 @@ def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int |
             adaptive=adaptive, generator=generator,
         )  # fmt: skip
     return result, min_len.tolist(), max_len.tolist()
+
+
+def batch_invariant_numerics(cfg: DictConfig, m: EvalModels) -> bool:
+    """eval.batch_invariant, where null means: on for an eager CPU target (where the row-by-row products
+    cost little and make batch B equal batch 1 bit for bit), off on CUDA (where they would cost the batching)
+    and on the compiled static path (whose attention is masked over the whole cache)."""
+    wanted, compiled = cfg.eval.get("batch_invariant"), bool(cfg.decoding.get("compile", False))
+    if wanted is None:
+        return m.target.device.type == "cpu" and not compiled
+    return bool(wanted)
 
 
 def _timed_decode(cfg: DictConfig, m: EvalModels, items: list[Item]):
@@ -298,7 +315,9 @@ def _item(
     from ssd.audio.features import load_audio
     from ssd.contracts import VocoderPrompt
 
-    if pair.prompt_utt not in prompt_cache:
+    stat = Path(pair.prompt_wav).stat() if Path(pair.prompt_wav).is_file() else None
+    key = (str(pair.prompt_wav), stat and (stat.st_mtime_ns, stat.st_size))
+    if key not in prompt_cache:
         try:
             wav, sr = load_audio(pair.prompt_wav, None)
             if not np.abs(wav).max() > 0:
@@ -312,8 +331,8 @@ def _item(
             ) from err
         vprompt = VocoderPrompt(wav, sr, pair.prompt_text, tokens)
         prepare = getattr(m.vocoder, "prepare_prompt", None)  # optional in ssd.contracts.Vocoder
-        prompt_cache[pair.prompt_utt] = (prepare(vprompt) if prepare else vprompt, embedding)
-    vprompt, embedding = prompt_cache[pair.prompt_utt]
+        prompt_cache[key] = (prepare(vprompt) if prepare else vprompt, embedding)
+    vprompt, embedding = prompt_cache[key]
     return Item(index, pair, wrong_text, vprompt, embedding, utterance_seed(int(cfg.seed), pair.utt))
 
 
@@ -417,10 +436,12 @@ def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_ut
         elif item.index < latency_utts:
             alone, _, alone_seconds = _timed_decode(cfg, m, [item])
             if alone.tokens[0] != tokens:
+                fix = ("eval.batch_invariant=true (row-by-row numerics) or " if not batch_invariant_numerics(cfg, m)
+                       else "")  # fmt: skip
                 raise RuntimeError(
                     f"utterance {item.pair.utt}: decoded alone it gives other tokens than in a batch of "
                     f"{len(items)} ({len(alone.tokens[0])} vs {len(tokens)} tokens): the engine is not "
-                    "batch-invariant here; run with eval.batch_size=1"
+                    f"batch-invariant here; run with {fix}eval.batch_size=1"
                 )
             record.update(_latency(record, alone, alone_seconds))
         out.append((record, wav))
@@ -510,7 +531,11 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         if batch_note:
             log.warning("eval.batch_size=%s: %s", cfg.eval.batch_size, batch_note)
         n_audio = int(cfg.eval.get("num_audio_samples", 4))
-        prompt_cache: dict = {}
+        # Prepared prompts (speech tokens, speaker embedding, vocoder conditioning) are shared by the jobs of
+        # a sweep that use the same tokenizer, speaker model and vocoder: keyed by the prompt file.
+        prompt_cache = _cached(
+            "prompts", {"tok": cfg.speech_tokenizer, "sim": cfg.sim, "vocoder": cfg.vocoder}, dict
+        )
         items = [_item(cfg, models, i, p, wrong_texts[i], prompt_cache) for i, p in todo]
         if items and cfg.eval.get("warmup", True):
             _warm_up(cfg, models, items[0])

@@ -70,6 +70,7 @@ class EvalConfig:
     max_len: int | None = None  # cap on generated tokens (null = the target's own rule)
     batch_size: int = 1  # test items decoded at once; every record equals batch 1's (per-row seeds)
     latency_utts: int | None = 8  # batch_size > 1: the first N items, decoded again alone and timed (LM-RTF)
+    batch_invariant: bool | None = None  # row-by-row numerics, so batch B = batch 1 bit for bit; null: on CPU only
     warmup: bool = True
     num_audio_samples: int = 4
     bootstrap_resamples: int = 1000
@@ -166,6 +167,11 @@ def validate_sweep_config(cfg: DictConfig) -> None:
     if e.latency_utts is not None and e.latency_utts < 1:
         problems.append(
             f"eval.latency_utts={e.latency_utts} must be >= 1 or null (null: time every item alone)"
+        )
+    if e.batch_invariant and cfg.decoding.get("compile", False):
+        problems.append(
+            "eval.batch_invariant=true needs the eager decode path (per-row attention), and decoding.compile=true "
+            "takes the static one: set one of them to false"
         )
     if e.bootstrap_resamples < 0 or e.num_audio_samples < 0:
         problems.append("eval.bootstrap_resamples and eval.num_audio_samples must be >= 0")

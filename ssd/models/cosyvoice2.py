@@ -41,7 +41,7 @@ from ssd.models.base import (
     resolve_dtype,
 )
 from ssd.models.text_tokenizer import load_text_tokenizer
-from ssd.models.transformer import Backbone, BackboneConfig
+from ssd.models.transformer import Backbone, BackboneConfig, Linear
 
 LLM_FILE = "llm.pt"
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
@@ -102,7 +102,7 @@ class CosyVoice2LM(CachedSpeechLM):
         self.backbone = Backbone(backbone_config)
         self.llm_embedding = nn.Embedding(2, h)
         self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
-        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
+        self.llm_decoder = Linear(h, speech_token_size + 3)
         # The text head is never used for speech; kept only when untied so save_dir round-trips.
         self.text_lm_head = (
             None

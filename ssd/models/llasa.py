@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ssd.files import read_safetensors
@@ -43,7 +42,7 @@ from ssd.models.base import (
     resolve_dtype,
 )
 from ssd.models.text_tokenizer import load_text_tokenizer
-from ssd.models.transformer import Backbone, BackboneConfig
+from ssd.models.transformer import Backbone, BackboneConfig, linear
 
 SPECIAL_TOKENS = (
     "<|TEXT_GENERATION_START|>", "<|TEXT_GENERATION_END|>", "<|TEXT_UNDERSTANDING_START|>",
@@ -261,7 +260,7 @@ class LlasaLM(CachedSpeechLM):
     def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # One matmul per contiguous range of head rows (views: no copy of the 65k+-row head).
         weight = self.lm_head.weight
-        return torch.cat([F.linear(hidden, weight[a:b]) for a, b in self._head_ranges], dim=-1)
+        return torch.cat([linear(hidden, weight[a:b]) for a, b in self._head_ranges], dim=-1)
 
     # --- drafts --------------------------------------------------------------------------------
     def module_groups(self) -> dict[str, nn.Module]:

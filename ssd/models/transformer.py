@@ -12,6 +12,8 @@ Parameter names equal HF's (`layers.{i}.self_attn.q_proj.weight`, `norm.weight`,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +136,45 @@ def rope_inverse_frequencies(config: BackboneConfig) -> tuple[torch.Tensor, floa
     return inv_freq.float(), float(scaling)
 
 
+# Batch-invariant numerics (docs/algorithms.md §4.1). A CPU BLAS picks its kernel by the shape of the
+# whole call (a 1-row product and the rows of a 5-row one round differently), and masked attention over
+# padded keys takes another path than attention over a row's own keys; so a row decoded inside a batch
+# would not be bit-for-bit the row decoded alone. In this mode every product row is its own
+# vector-matrix product and every row attends over exactly its own keys, which is what batch 1 computes.
+_batch_invariant = False
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within the block, `linear` and the cached attention compute each row as batch 1 would."""
+    global _batch_invariant
+    before, _batch_invariant = _batch_invariant, enabled
+    try:
+        yield
+    finally:
+        _batch_invariant = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; in batch-invariant mode every row of x goes through its own [1, K] x [K, N] product (a
+    batched matmul over rows with the weight broadcast, not copied), which gives bit-for-bit the result of
+    a 1-row F.linear whatever the number of rows (tests/test_batch_invariance.py)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if not _batch_invariant or rows <= 1:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, 1, x.shape[-1])
+    w = weight.t().expand(rows, -1, -1)
+    out = torch.bmm(flat, w) if bias is None else torch.baddbmm(bias, flat, w)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -210,47 +251,46 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+        self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        kv_write: Any = None,
-    ) -> torch.Tensor:
-        """x [B, T, H]; cos/sin [B or 1, 1, T, D]; mask bool [B or 1, 1, T, S] (True = attend) or None (causal).
-
-        kv_write: None for a full-sequence forward, else a callable storing (k, v) [B, n_kv, T, D]
-        into the cache and returning the (keys, values) slice to attend over.
-        """
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
+        """x [B, T, H]; cos/sin [B or 1, 1, T, D]; attend(q [B, h, T, D], k, v [B, n_kv, T, D]) -> [B, h, T, D]:
+        the cache path's attention (it stores k, v and attends over what it holds), or `causal_attention`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if kv_write is not None:
-            k, v = kv_write(k, v)
-        gqa = self.num_heads != self.num_kv_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention; mask bool [B or 1, 1, T, S] (True = attend), None = every key
+    (one query) or causal (T queries over T keys)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def block_mask(start: torch.Tensor | int, k: int, span: int, device: Any) -> torch.Tensor:
+    """[B or 1, 1, k, span]: query j of a block written at position start (+ j) sees keys 0..start + j."""
+    positions = torch.as_tensor(start, device=device).reshape(-1, 1) + torch.arange(k, device=device)
+    return (torch.arange(span, device=device) <= positions[..., None])[:, None]
 
 
 class MLP(nn.Module):
     def __init__(self, config: BackboneConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.gate_proj = Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -264,8 +304,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, kv_write=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_write)
+    def forward(self, x, cos, sin, attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -328,7 +368,7 @@ class Backbone(nn.Module):
             mask = (causal[None] & (keys[None, None, :] < lengths.to(keys.device)[:, None, None]))[:, None]
         x = inputs_embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, lambda q, k, v: sdpa(q, k, v, mask))
         return self.norm(x)
 
     def new_cache(
@@ -383,7 +423,7 @@ class Backbone(nn.Module):
             self.check_static_cache(cache, k)
             hidden = self.static_forward(inputs_embeds, cache.k, cache.v, cache.lengths)
         else:
-            hidden = self._eager_forward(inputs_embeds, cache)
+            hidden = self._eager_forward(inputs_embeds, cache, num_new)
         cache.lengths = cache.lengths + (k if num_new is None else num_new.to(cache.lengths.device))
         return hidden
 
@@ -417,62 +457,97 @@ class Backbone(nn.Module):
         capacity with a mask built from lengths. The caller advances lengths (stale entries past them
         stay masked)."""
         b, k, _ = inputs_embeds.shape
-        capacity = k_cache[0].shape[2]
         device = inputs_embeds.device
         positions = lengths[:, None] + torch.arange(k, device=device)  # [B, k]
-        mask = (torch.arange(capacity, device=device) <= positions[..., None])[:, None]  # [B, 1, k, C]
+        mask = block_mask(lengths, k, k_cache[0].shape[2], device)  # [B, 1, k, C]
         rows = torch.arange(b, device=device)[:, None]
 
-        def kv_write_at(layer: int):
-            def write(key, value):
+        def attend_at(layer: int):
+            def attend(q, key, value):
                 # key [B, n_kv, k, D] -> indexed target [B, k, n_kv, D]
                 k_cache[layer][rows, :, positions] = key.transpose(1, 2)
                 v_cache[layer][rows, :, positions] = value.transpose(1, 2)
-                return k_cache[layer], v_cache[layer]
+                return sdpa(q, k_cache[layer], v_cache[layer], mask)
 
-            return write
+            return attend
 
-        return self._layers(inputs_embeds, positions, mask, kv_write_at)
+        return self._layers(inputs_embeds, positions, attend_at)
 
-    def _eager_forward(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _eager_forward(
+        self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None
+    ) -> torch.Tensor:
+        if _batch_invariant and num_new is not None:
+            return self._forward_rows(inputs_embeds, cache, num_new)
         b, k, _ = inputs_embeds.shape
-        lo, hi = cache.lengths.aminmax()
-        lo, hi = int(lo), int(hi)  # one host sync per step: needed to slice the cache
+        starts = cache.lengths.tolist()  # one host sync per step: the cache is sliced by Python ints
+        lo, hi = min(starts), max(starts)
         span = hi + k
         cache.ensure_capacity(span)
         device = inputs_embeds.device
         steps = torch.arange(k, device=device)
         if lo == hi:  # all rows aligned (always so at batch size 1): plain slice writes
             positions = (steps + lo)[None]  # [1, k]
-            mask = None if k == 1 else (torch.arange(span, device=device) <= positions[..., None])[:, None]
+            mask = None if k == 1 else block_mask(lo, k, span, device)
 
-            def kv_write_at(layer: int):
-                def write(key, value):
-                    cache.k[layer][:, :, lo:span] = key
-                    cache.v[layer][:, :, lo:span] = value
-                    return cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
-
-                return write
+            def write(layer, key, value):
+                cache.k[layer][:, :, lo:span] = key
+                cache.v[layer][:, :, lo:span] = value
         else:
             positions = cache.lengths[:, None] + steps  # [B, k]
-            mask = (torch.arange(span, device=device) <= positions[..., None])[:, None]  # [B, 1, k, S]
+            mask = block_mask(cache.lengths, k, span, device)  # [B, 1, k, S]
             rows = torch.arange(b, device=device)[:, None]
 
-            def kv_write_at(layer: int):
-                def write(key, value):
-                    # key [B, n_kv, k, D] -> indexed target [B, k, n_kv, D]
-                    cache.k[layer][rows, :, positions] = key.transpose(1, 2)
-                    cache.v[layer][rows, :, positions] = value.transpose(1, 2)
-                    return cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+            def write(layer, key, value):
+                # key [B, n_kv, k, D] -> indexed target [B, k, n_kv, D]
+                cache.k[layer][rows, :, positions] = key.transpose(1, 2)
+                cache.v[layer][rows, :, positions] = value.transpose(1, 2)
 
-                return write
+        if _batch_invariant and b > 1:  # row r attends over its own start_r + k keys, with batch 1's mask
+            row_mask = [None if k == 1 else block_mask(start, k, start + k, device) for start in starts]
 
-        return self._layers(inputs_embeds, positions, mask, kv_write_at)
+            def attend_at(layer: int):
+                def attend(q, key, value):
+                    write(layer, key, value)
+                    keys, values = cache.k[layer], cache.v[layer]
+                    return torch.cat([
+                        sdpa(q[r : r + 1], keys[r : r + 1, :, : start + k], values[r : r + 1, :, : start + k],
+                             row_mask[r])
+                        for r, start in enumerate(starts)
+                    ])  # fmt: skip
 
-    def _layers(self, inputs_embeds, positions, mask, kv_write_at) -> torch.Tensor:
+                return attend
+        else:
+
+            def attend_at(layer: int):
+                def attend(q, key, value):
+                    write(layer, key, value)
+                    return sdpa(q, cache.k[layer][:, :, :span], cache.v[layer][:, :, :span], mask)
+
+                return attend
+
+        return self._layers(inputs_embeds, positions, attend_at)
+
+    def _forward_rows(
+        self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor
+    ) -> torch.Tensor:
+        """A right-padded block (prefill) in batch-invariant mode: each row's own n_r positions go through
+        the stack alone, with the plain kernels, i.e. exactly batch 1's prefill. Writes into the cache's
+        rows; the outputs past a row's n_r positions are zeros."""
+        b, k, _ = inputs_embeds.shape
+        counts = num_new.tolist()
+        cache.ensure_capacity(int(cache.lengths.max()) + k)  # before taking row views of the buffers
+        hidden = inputs_embeds.new_zeros(inputs_embeds.shape)
+        with batch_invariant(False):
+            for r, n in enumerate(counts):
+                row = KVCache(k=[t[r : r + 1] for t in cache.k], v=[t[r : r + 1] for t in cache.v],
+                              lengths=cache.lengths[r : r + 1], prompt_lengths=cache.prompt_lengths[r : r + 1])  # fmt: skip
+                hidden[r : r + 1, :n] = self._eager_forward(inputs_embeds[r : r + 1, :n], row, None)
+        return hidden
+
+    def _layers(self, inputs_embeds, positions, attend_at) -> torch.Tensor:
         """The decoder stack over a cached block: the part both cache paths share."""
         cos, sin = self._rope(positions, inputs_embeds.dtype)
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, kv_write_at(i))
+            x = layer(x, cos, sin, attend_at(i))
         return self.norm(x)
