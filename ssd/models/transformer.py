@@ -539,6 +539,8 @@ class Backbone(nn.Module):
         hidden = inputs_embeds.new_zeros(inputs_embeds.shape)
         with batch_invariant(False):
             for r, n in enumerate(counts):
+                if n == 0:
+                    continue
                 row = KVCache(k=[t[r : r + 1] for t in cache.k], v=[t[r : r + 1] for t in cache.v],
                               lengths=cache.lengths[r : r + 1], prompt_lengths=cache.prompt_lengths[r : r + 1])  # fmt: skip
                 hidden[r : r + 1, :n] = self._eager_forward(inputs_embeds[r : r + 1, :n], row, None)
