@@ -258,7 +258,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
         """x [B, T, H]; cos/sin [B or 1, 1, T, D]; attend(q [B, h, T, D], k, v [B, n_kv, T, D]) -> [B, h, T, D]:
-        the cache path's attention (it stores k, v and attends over what it holds), or `causal_attention`."""
+        the cache path's attention (it stores k, v and attends over what it holds), or `sdpa` with a mask."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -487,14 +487,12 @@ class Backbone(nn.Module):
         steps = torch.arange(k, device=device)
         if lo == hi:  # all rows aligned (always so at batch size 1): plain slice writes
             positions = (steps + lo)[None]  # [1, k]
-            mask = None if k == 1 else block_mask(lo, k, span, device)
 
             def write(layer, key, value):
                 cache.k[layer][:, :, lo:span] = key
                 cache.v[layer][:, :, lo:span] = value
         else:
             positions = cache.lengths[:, None] + steps  # [B, k]
-            mask = block_mask(cache.lengths, k, span, device)  # [B, 1, k, S]
             rows = torch.arange(b, device=device)[:, None]
 
             def write(layer, key, value):
@@ -516,7 +514,8 @@ class Backbone(nn.Module):
                     ])  # fmt: skip
 
                 return attend
-        else:
+        else:  # one attention over the batch: aligned rows slice, ragged ones mask [B, 1, k, S]
+            mask = None if lo == hi and k == 1 else block_mask(lo if lo == hi else cache.lengths, k, span, device)
 
             def attend_at(layer: int):
                 def attend(q, key, value):
