@@ -46,14 +46,15 @@ def job_dirs(sweep_dir: Path, grid_keys: list[str]) -> dict[str, Path]:
     return found
 
 
-def time_split(sweep_dir: Path) -> dict[str, float]:
+def time_split(sweep_dir: Path, batch: int) -> dict[str, float]:
     """Where a sweep's wall time went, summed over its jobs' records (seconds): the decodes as run
     (batched or not), the batch-1 re-decodes that time LM-RTF in batched runs, and the vocoder; the rest
     of the wall time is the judges (ASR, SIM, MOS), prompt preparation and model loading."""
     records = [r for f in sorted(sweep_dir.rglob(RESULTS_FILE)) for r in read_records(f, repair=False)]
     decode = sum(r["decode_time_share"] for r in records)
-    timed = sum(r["lm_time"] for r in records if r.get("lm_time") is not None)
-    return {"decode_s": decode, "latency_redecode_s": 0.0 if math.isclose(timed, decode) else timed,
+    # At batch 1 the decode is its own timing; batched, the timed items were decoded again alone.
+    redecode = 0.0 if batch == 1 else sum(r["lm_time"] for r in records if r.get("lm_time") is not None)
+    return {"decode_s": decode, "latency_redecode_s": redecode,
             "vocoder_s": sum(r["vocoder_time"] for r in records), "utterance_settings": len(records)}  # fmt: skip
 
 
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
     if args.report:
         previous = json.loads((args.out / "results.json").read_text())
         walls = {1: previous["wall_s_batch1"], args.batch: previous[f"wall_s_batch{args.batch}"]}
-        commands = (args.out / "command.txt").read_text().splitlines()[1:]
     for batch in () if args.report else (1, args.batch):
         sweep_dir = args.out / "runs" / f"batch{batch}"
         if sweep_dir.exists():
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         sys.exit(f"the two sweeps finished different jobs: {sorted(runs[0])} vs {sorted(runs[1])}")
     jobs = {name: compare(runs[0][name], runs[1][name]) for name in sorted(runs[0])}
     identical = all(all(v for k, v in j.items() if k.endswith("_identical")) for j in jobs.values())
-    splits = {b: time_split(args.out / "runs" / f"batch{b}") for b in (1, args.batch)}
+    splits = {b: time_split(args.out / "runs" / f"batch{b}", b) for b in (1, args.batch)}
     result = {"grid": args.grid, "batch": args.batch, "wall_s_batch1": round(walls[1], 1),
               f"wall_s_batch{args.batch}": round(walls[args.batch], 1),
               "speedup": round(walls[1] / walls[args.batch], 2), "all_identical": identical,
