@@ -243,7 +243,7 @@ def lm_prompt(m: EvalModels, items: list[Item]) -> Any:
                                 [it.vprompt.tokens.tolist() for it in items])  # fmt: skip
 
 
-def _decode(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int | None = None):
+def decode_items(cfg: DictConfig, m: EvalModels, items: list[Item], max_tokens: int | None = None):
     """Decode `items` as one batch (ragged prompts, per-row seeds and length limits); returns
     (result, min_len [B], max_len [B]). `max_tokens` caps the length (the warm-up's short decode)."""
     from ssd.decoding.rng import RowRandom
@@ -295,13 +295,13 @@ def batch_invariant_numerics(cfg: DictConfig, m: EvalModels) -> bool:
 
 
 def _timed_decode(cfg: DictConfig, m: EvalModels, items: list[Item]):
-    """`_decode` under inference mode, wall-clock timed (CUDA-synchronised); returns (result, limits, seconds)."""
+    """`decode_items` under inference mode, wall-clock timed (CUDA-synchronised); returns (result, limits, seconds)."""
     device = m.target.device
     with torch.inference_mode():
         _sync(device)
         start = time.perf_counter()
         try:
-            result, min_len, max_len = _decode(cfg, m, items)
+            result, min_len, max_len = decode_items(cfg, m, items)
         except FloatingPointError as err:
             raise FloatingPointError(f"utterance(s) {[it.pair.utt for it in items]}: {err}") from err
         _sync(device)
@@ -309,7 +309,7 @@ def _timed_decode(cfg: DictConfig, m: EvalModels, items: list[Item]):
         return result, (min_len, max_len), time.perf_counter() - start - result.stats.time_diagnostics
 
 
-def _item(
+def prepare_item(
     cfg: DictConfig, m: EvalModels, index: int, pair: Any, wrong_text: str | None, prompt_cache: dict
 ) -> Item:
     from ssd.audio.features import load_audio
@@ -451,7 +451,7 @@ def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_ut
 def _warm_up(cfg: DictConfig, m: EvalModels, item: Item) -> None:
     """One short untimed decode so lazy initialisation and caches do not land in the first timing."""
     with torch.inference_mode():
-        _decode(cfg, m, [replace(item, seed=0)], max_tokens=WARMUP_TOKENS)
+        decode_items(cfg, m, [replace(item, seed=0)], max_tokens=WARMUP_TOKENS)
 
 
 def effective_batch_size(cfg: DictConfig) -> tuple[int, str | None]:
@@ -536,7 +536,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         prompt_cache = _cached(
             "prompts", {"tok": cfg.speech_tokenizer, "sim": cfg.sim, "vocoder": cfg.vocoder}, dict
         )
-        items = [_item(cfg, models, i, p, wrong_texts[i], prompt_cache) for i, p in todo]
+        items = [prepare_item(cfg, models, i, p, wrong_texts[i], prompt_cache) for i, p in todo]
         if items and cfg.eval.get("warmup", True):
             _warm_up(cfg, models, items[0])
         _run_loop(cfg, models, items, batch_size, records, run.results, run_dir / AUDIO_DIR, n_audio)

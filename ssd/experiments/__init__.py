@@ -44,6 +44,7 @@ class StudyResult:
 Study = Callable[["Experiment"], StudyResult]
 
 # The modules below import StudyResult from here, so they come after it.
+from ssd.experiments.acceptance_seeds import run_acceptance_seeds_study  # noqa: E402
 from ssd.experiments.beta_audit import run_beta_audit_study  # noqa: E402
 from ssd.experiments.draft_training import train_and_evaluate_drafts  # noqa: E402
 from ssd.experiments.exactness import run_exactness_study  # noqa: E402
@@ -53,4 +54,5 @@ STUDIES: dict[str, Study] = {
     "exactness": run_exactness_study,
     "draft_training": train_and_evaluate_drafts,
     "beta_audit": run_beta_audit_study,
+    "acceptance_seeds": run_acceptance_seeds_study,
 }
