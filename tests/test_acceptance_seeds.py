@@ -26,7 +26,9 @@ def _counts(rates: dict[str, float], utterances=20, seeds=10, proposed=60, seed=
 
 
 def test_compare_resolves_a_real_gap_and_not_a_null():
-    table = compare(_counts({"exact": 0.85, "same law": 0.85, "better": 0.88}), ["exact", "same law", "better"])
+    table = compare(
+        _counts({"exact": 0.85, "same law": 0.85, "better": 0.88}), ["exact", "same law", "better"]
+    )
     rows = table.set_index("rule")
     assert rows.loc["exact", "Δ vs exact"] == 0 and not rows.loc["exact", "resolved"]
     # negative control: the same law is not called different
@@ -48,7 +50,10 @@ def test_decode_counts_seed_0_is_the_sweeps_decode_and_seeds_differ(micro_world)
     """Seed s = 0 is the runner's own per-utterance seed (the sweep's decode); other seeds give other paths."""
     from ssd.evaluation.runner import build_test_list, decode_items, load_models, prepare_item
 
-    overrides = [o for o in sweep_overrides(micro_world, n_utts=2, max_len=20)] + ["draft.checkpoint=null", "mos=none"]
+    overrides = [o for o in sweep_overrides(micro_world, n_utts=2, max_len=20)] + [
+        "draft.checkpoint=null",
+        "mos=none",
+    ]
     cfg = compose("sweep", overrides)
     counts = decode_counts(cfg, utterances=2, seeds=4, label="exact")
     assert len(counts) == 8 and set(counts["seed"]) == {0, 1, 2, 3}
@@ -56,6 +61,8 @@ def test_decode_counts_seed_0_is_the_sweeps_decode_and_seeds_differ(micro_world)
     pair = next(build_test_list(cfg.eval).itertuples(index=False))
     result, _, _ = decode_items(cfg, models, [prepare_item(cfg, models, 0, pair, None, {})])
     first = counts[(counts["utt"] == pair.utt) & (counts["seed"] == 0)].iloc[0]
-    assert first["accepted"] == sum(result.rows[0]["accepted"]) and first["tokens"] == result.rows[0]["tokens"]
+    assert (
+        first["accepted"] == sum(result.rows[0]["accepted"]) and first["tokens"] == result.rows[0]["tokens"]
+    )
     mine = counts[counts["utt"] == pair.utt]
     assert mine[["accepted", "tokens"]].drop_duplicates().shape[0] > 1

@@ -23,7 +23,12 @@ from ssd.models.transformer import Linear, batch_invariant, linear
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_TARGET = yaml.safe_load((REPO / "configs/target/toy.yaml").read_text())
-TEXTS = ["bin blue at one now", "place red by seven again please", "set white in zero soon", "lay green with two"]
+TEXTS = [
+    "bin blue at one now",
+    "place red by seven again please",
+    "set white in zero soon",
+    "lay green with two",
+]
 PROMPT_TEXTS = ["set red", "bin white at nine soon", "lay", "place blue by four again now please"]
 PROMPT_TOKENS = [[5, 17, 300, 2], list(range(40, 71)), [9], list(range(900, 912))]  # ragged
 

@@ -203,7 +203,10 @@ def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):
         ("eval.n_utts=0", "eval.n_utts=0 must be >= 1"),
         ("eval.batch_size=0", "eval.batch_size=0 must be >= 1"),
         ("eval.latency_utts=0", "eval.latency_utts=0 must be >= 1 or null"),
-        ("eval.batch_invariant=true decoding.compile=true", "batch_invariant=true needs the eager decode path"),
+        (
+            "eval.batch_invariant=true decoding.compile=true",
+            "batch_invariant=true needs the eager decode path",
+        ),
     ],
 )
 def test_out_of_range_settings_are_named_before_any_model_loads(

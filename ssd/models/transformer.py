@@ -515,7 +515,11 @@ class Backbone(nn.Module):
 
                 return attend
         else:  # one attention over the batch: aligned rows slice, ragged ones mask [B, 1, k, S]
-            mask = None if lo == hi and k == 1 else block_mask(lo if lo == hi else cache.lengths, k, span, device)
+            mask = (
+                None
+                if lo == hi and k == 1
+                else block_mask(lo if lo == hi else cache.lengths, k, span, device)
+            )
 
             def attend_at(layer: int):
                 def attend(q, key, value):
