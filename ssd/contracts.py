@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from ssd.decoding.rng import RowRandom
+if TYPE_CHECKING:  # an annotation only: the contracts sit below the engine and import none of it
+    from ssd.decoding.rng import RowRandom
 
 
 @runtime_checkable
