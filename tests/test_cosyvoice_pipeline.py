@@ -289,7 +289,7 @@ class _CeilTokenizer:
 
 @pytest.mark.usefixtures("isolated_imports")
 def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny_cosyvoice2_dir):
-    from ssd.evaluation.runner import EvalModels, _item, lm_prompt
+    from ssd.evaluation.runner import EvalModels, lm_prompt, prepare_item
     from ssd.models.cosyvoice2 import CosyVoice2LM
 
     wav_path = tmp_path / "prompt.wav"
@@ -305,14 +305,14 @@ def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny
     )
     cache = {}
     cfg = OmegaConf.create({"eval": {}, "seed": 0})
-    item = _item(cfg, models, 0, pair, None, cache)
+    item = prepare_item(cfg, models, 0, pair, None, cache)
     prompt, vprompt = lm_prompt(models, [item]), item.vprompt
     raw = _CeilTokenizer().encode(_prompt_wav(), PROMPT_SR)
     assert raw.size == RAW_PROMPT_TOKENS
     np.testing.assert_array_equal(vprompt.tokens, raw[:UPSTREAM_PROMPT_TOKENS])
     assert prompt.speech_ids[0].tolist() == vprompt.tokens.tolist()  # the LM sees what the flow sees
     assert vocoder.vocode(np.zeros(NEW_TOKENS, np.int64), vprompt).shape == (48_000,)
-    _item(cfg, models, 1, pair, None, cache)  # the second item with this prompt
+    prepare_item(cfg, models, 1, pair, None, cache)  # the second item with this prompt
     assert len(sys.modules["cosyvoice.cli.frontend"].CALLS) == 1
 
 

@@ -323,7 +323,7 @@ def test_a_batched_run_writes_the_records_of_batch_1(micro_world, tmp_path, mode
 def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_path, monkeypatch):
     """The latency items are decoded twice (batched, then alone): tokens that differ mean the engine is not
     batch-invariant, and the run stops instead of writing records that depend on the batch."""
-    decode = runner._decode
+    decode = runner.decode_items
 
     def alone_differs(cfg, m, items, max_tokens=None):
         result, lo, hi = decode(cfg, m, items, max_tokens)
@@ -331,7 +331,7 @@ def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_p
             result.tokens[0] = result.tokens[0][:-1]
         return result, lo, hi
 
-    monkeypatch.setattr(runner, "_decode", alone_differs)
+    monkeypatch.setattr(runner, "decode_items", alone_differs)
     with pytest.raises(RuntimeError, match="not batch-invariant.*eval.batch_size=1"):
         evaluate(_cfg(micro_world, "eval.batch_size=2", "eval.latency_utts=1", n_utts=2), tmp_path / "run")
     assert not (tmp_path / "run" / RESULTS_FILE).exists()  # nothing batch-dependent was written
