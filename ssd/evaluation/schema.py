@@ -70,9 +70,8 @@ class EvalConfig:
     max_len: int | None = None  # cap on generated tokens (null = the target's own rule)
     batch_size: int = 1  # test items decoded at once; every record equals batch 1's (per-row seeds)
     latency_utts: int | None = 8  # batch_size > 1: the first N items, decoded again alone and timed (LM-RTF)
-    batch_invariant: bool | None = (
-        None  # row-by-row numerics, so batch B = batch 1 bit for bit; null: on CPU only
-    )
+    # Row-by-row numerics, so batch B equals batch 1 bit for bit; null: on CPU only.
+    batch_invariant: bool | None = None
     warmup: bool = True
     num_audio_samples: int = 4
     bootstrap_resamples: int = 1000
