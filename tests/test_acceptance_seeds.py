@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 from fixtures_eval import sweep_overrides
 
 from ssd.config import compose
@@ -46,8 +47,9 @@ def test_pcg_table1_compares_every_group_size_with_exact_and_a_size_1_control():
     assert {"acceptance": "pcg", "acceptance.group_size": 1} in rules  # exact in law: Δ must be ~ 0
 
 
-def test_decode_counts_seed_0_is_the_sweeps_decode_and_seeds_differ(micro_world):
-    """Seed s = 0 is the runner's own per-utterance seed (the sweep's decode); other seeds give other paths."""
+def test_decode_counts_seed_0_is_the_sweeps_decode_seeds_differ_and_a_rerun_resumes(micro_world, tmp_path):
+    """Seed s = 0 is the runner's own per-utterance seed (the sweep's decode); other seeds give other paths.
+    The run dir resumes (nothing decoded twice) and refuses another configuration."""
     from ssd.evaluation.runner import build_test_list, decode_items, load_models, prepare_item
 
     overrides = [o for o in sweep_overrides(micro_world, n_utts=2, max_len=20)] + [
@@ -55,7 +57,8 @@ def test_decode_counts_seed_0_is_the_sweeps_decode_and_seeds_differ(micro_world)
         "mos=none",
     ]
     cfg = compose("sweep", overrides)
-    counts = decode_counts(cfg, utterances=2, seeds=4, label="exact")
+    run_dir = tmp_path / "exact"
+    counts = decode_counts(cfg, run_dir, utterances=2, seeds=4, label="exact")
     assert len(counts) == 8 and set(counts["seed"]) == {0, 1, 2, 3}
     models = load_models(cfg)
     pair = next(build_test_list(cfg.eval).itertuples(index=False))
@@ -66,3 +69,15 @@ def test_decode_counts_seed_0_is_the_sweeps_decode_and_seeds_differ(micro_world)
     )
     mine = counts[counts["utt"] == pair.utt]
     assert mine[["accepted", "tokens"]].drop_duplicates().shape[0] > 1
+    lines = (run_dir / "utterances.jsonl").read_text()
+    again = decode_counts(cfg, run_dir, utterances=2, seeds=4, label="exact")
+    assert (run_dir / "utterances.jsonl").read_text() == lines  # resumed: nothing decoded again
+    assert (
+        again.sort_values(["utt", "seed"])
+        .reset_index(drop=True)
+        .equals(counts.sort_values(["utt", "seed"]).reset_index(drop=True))
+    )
+    with pytest.raises(ValueError, match="different configuration"):
+        decode_counts(
+            compose("sweep", [*overrides, "draft_len=2"]), run_dir, utterances=2, seeds=4, label="exact"
+        )

@@ -14,13 +14,15 @@ resampled together: the seeds of one text are not independent draws of the test 
       study: acceptance_seeds
       acceptance_seeds: {utterances: 24, seeds: 10, rules: [{acceptance: exact}, {acceptance: pcg, ...}]}
 
-Files: acceptance_seeds.csv (one row per rule, utterance and seed; a rerun decodes only what is missing),
-acceptance_seeds.md, fig_acceptance_seeds.png.
+Each rule decodes into its own run dir, runs/acceptance_seeds/<i>_<rule> (the runner's layout: config.yaml and
+one record per utterance, its seeds' counts in lists; a rerun decodes only what is missing and refuses another configuration). Files:
+acceptance_seeds.csv (one row per rule, utterance and seed), acceptance_seeds.md, fig_acceptance_seeds.png.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,25 +45,52 @@ def rule_label(rule: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in rule.items())
 
 
-def decode_counts(cfg, utterances: int, seeds: int, label: str, progress: bool = False) -> pd.DataFrame:
+def decode_counts(
+    cfg, run_dir: Path, utterances: int, seeds: int, label: str, progress: bool = False
+) -> pd.DataFrame:
     """Accepted / proposed draft tokens of the first `utterances` test items, `seeds` decodes each (one
-    batch per utterance), under `cfg` (a sweep job's config)."""
+    batch per utterance), under `cfg` (a sweep job's config). `run_dir` is a run dir as the runner keeps
+    one (config.yaml; utterances.jsonl, one record per utterance with its seeds' counts): a rerun decodes
+    only the utterances it lacks, and refuses results of another configuration or other model files."""
+    from omegaconf import open_dict
     from tqdm import tqdm
 
+    from ssd.evaluation.run_dir import RunDir, append_record, read_records, run_inputs
     from ssd.evaluation.runner import build_test_list, decode_items, load_models, prepare_item, utterance_seed
 
-    models = load_models(cfg)
-    pairs = list(build_test_list(cfg.eval).itertuples(index=False))[:utterances]
-    prompts, rows = {}, []
-    for index, pair in enumerate(tqdm(pairs, desc=label, disable=not progress)):
-        item = prepare_item(cfg, models, index, pair, None, prompts)
-        batch = [replace(item, seed=utterance_seed(int(cfg.seed) + s, pair.utt)) for s in range(seeds)]
-        with torch.inference_mode():
-            result, _, _ = decode_items(cfg, models, batch)
-        for s, row in enumerate(result.rows):
-            rows.append({"rule": label, "utt": pair.utt, "seed": s, "accepted": sum(row["accepted"]),
-                         "proposed": sum(row["proposed"]), "tokens": row["tokens"]})  # fmt: skip
-    return pd.DataFrame(rows)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.output_dir = str(run_dir)
+    with RunDir(run_dir) as run:
+        inputs = run_inputs(cfg)
+        run.check_config(cfg, inputs)
+        pairs = list(build_test_list(cfg.eval).itertuples(index=False))[:utterances]
+        done = {r["utt"]: r for r in read_records(run.results)}
+        other = sorted({len(r["accepted"]) for r in done.values()} - {seeds})
+        if other:
+            raise ValueError(
+                f"{run_dir} holds decodes of {other} seeds per utterance, not {seeds}: choose a new results dir "
+                "or keep reproduce.acceptance_seeds.seeds"
+            )
+        todo = [p for p in pairs if p.utt not in done]
+        if todo:
+            models = load_models(cfg)
+            run.write_config(cfg, inputs)
+        prompts = {}
+        for index, pair in enumerate(tqdm(todo, desc=label, disable=not progress)):
+            item = prepare_item(cfg, models, index, pair, None, prompts)
+            batch = [replace(item, seed=utterance_seed(int(cfg.seed) + s, pair.utt)) for s in range(seeds)]
+            with torch.inference_mode():
+                result, _, _ = decode_items(cfg, models, batch)
+            record = {"utt": pair.utt, "accepted": [sum(r["accepted"]) for r in result.rows],
+                      "proposed": [sum(r["proposed"]) for r in result.rows], "tokens": [r["tokens"] for r in result.rows]}  # fmt: skip
+            append_record(run.results, record)
+            done[pair.utt] = record
+    rows = [
+        {"utt": p.utt, "seed": s, **{key: done[p.utt][key][s] for key in ("accepted", "proposed", "tokens")}}
+        for p in pairs for s in range(seeds)
+    ]  # fmt: skip
+    return pd.DataFrame(rows).assign(rule=label)
 
 
 def _rate(per_utt: list[dict], key: str) -> float:
@@ -120,18 +149,18 @@ def run_acceptance_seeds_study(experiment: Experiment) -> StudyResult:
     rules = [OmegaConf.to_container(r, resolve=True) for r in spec.rules]
     utterances, seeds = int(spec.utterances), int(spec.seeds)
     labels = [rule_label(r) for r in rules]
-    path = experiment.out_dir / RESULTS
-    counts = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=["rule", "utt", "seed"])
-    for rule, label in zip(rules, labels):
-        done = counts[counts["rule"] == label]
-        if len(done) >= utterances * seeds:
-            continue
+    parts = []
+    for index, (rule, label) in enumerate(zip(rules, labels)):
         cfg = compose("sweep", [f"experiment={experiment.name}", *experiment.world, *as_overrides(rule)])
         torch.set_num_threads(int(cfg.eval.get("num_threads") or 1))
-        fresh = decode_counts(cfg, utterances, seeds, label, progress=bool(cfg.get("progress")))
-        counts = pd.concat([counts[counts["rule"] != label], fresh], ignore_index=True)
-        counts.to_csv(path, index=False)  # after each rule: an interrupted study resumes there
-    counts = counts[counts["rule"].isin(labels) & (counts["seed"] < seeds)]
+        run_dir = experiment.runs / "acceptance_seeds" / f"{index}_{label.replace(' ', ',')}"
+        parts.append(
+            decode_counts(cfg, run_dir, utterances, seeds, label, progress=bool(cfg.get("progress")))
+        )
+    counts = pd.concat(parts, ignore_index=True)
+    counts[["rule", "utt", "seed", "accepted", "proposed", "tokens"]].to_csv(
+        experiment.out_dir / RESULTS, index=False
+    )
     table = compare(counts, labels, int(experiment.cfg.eval.get("bootstrap_resamples", 1000)),
                     int(experiment.cfg.seed))  # fmt: skip
     shown = table.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v)
