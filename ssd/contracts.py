@@ -58,8 +58,9 @@ class SpeechLM(Protocol):
         """
         ...
 
-    def rollback(self, cache: Any, n: torch.Tensor | int) -> None:
-        """Forget the last n tokens of each row (n: int or LongTensor [B])."""
+    def rollback(self, cache: Any, n: torch.Tensor | int | list[int]) -> None:
+        """Forget the last n tokens of each row (n: int, ints [B] or LongTensor [B]; the decoding loops
+        pass ints, read on their round's one host sync, so a cache sliced by host ints needs no other)."""
         ...
 
 

@@ -226,3 +226,33 @@ def test_inductor_writes_the_static_cache_in_place():
             stacked, torch.tensor([[3], [5]]), torch.ones(2, 2, 1, 8),
         )  # fmt: skip
         assert f"{layer_numel}L" in "\n".join(control)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_speculative_round_reads_the_device_once_on_either_cache_path(tiny_cosyvoice2_dir, static):
+    """Host reads anywhere in the engine and the models (tolist/item/bool/int/float/index, counted by the
+    benchmark's torch-function counter), ragged rows: a decode with more rounds costs exactly one more
+    read per extra round. The eager cache follows its lengths as host ints (the round's sync hands it the
+    accepted counts), so it slices without reading the device."""
+    from test_bench_scripts import load_script
+
+    from ssd.decoding.acceptance import ExactRule
+    from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.rng import RowRandom
+
+    counter_type = load_script("bench_decoding").HostSyncCounter
+    target = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir)
+    draft = build_draft(target, layers=[0, -1])
+    target.backbone.static_step = static
+    prompt = target.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    law = SamplingConfig(top_k=10, top_p=0.9, ras_window=4, ras_tau=0.1, stop_tokens=())
+
+    def reads_and_rounds(n):
+        with counter_type() as counter:
+            result = decode_speculative(target, draft, prompt, law, ExactRule(), draft_len=3, max_len=n,
+                                        diagnostics=False, generator=RowRandom([3, 4]))  # fmt: skip
+        return counter.total, result.stats.rounds, counter.calls
+
+    (short, short_rounds, _), (long, long_rounds, calls) = reads_and_rounds(12), reads_and_rounds(36)
+    assert long_rounds > short_rounds + 5
+    assert long - short == long_rounds - short_rounds, calls

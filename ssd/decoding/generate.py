@@ -14,7 +14,8 @@ round) so that the batch stays rectangular; their output is frozen.
 Batch invariance: every random number comes from the row's own stream (`RowRandom`), and a row
 draws the same count per round whatever its verdict, so row b decodes exactly as it would alone
 (with a fixed draft length: adaptive k is shared by the batch).
-Host syncs: one per round, the "all rows done?" check (adaptive's verdict rides on it). Statistics
+Host syncs: one per round, the "all rows done?" check (the accepted counts, for the caches' rollback,
+and adaptive's verdict ride on it). Statistics
 stay on the device (`_Tally`) and are read once at the end; phase times are CUDA events on GPU.
 """
 
@@ -214,12 +215,20 @@ class _Output:
         self.bad_law |= ~torch.isfinite(law).all()
         return law
 
-    def sync(self, latest: Callable[[], dict], *flags: torch.Tensor) -> list[bool]:
-        """The round's one host sync: [all rows done?, *flags]; raises FloatingPointError after a NaN/inf law."""
-        done, bad, *rest = torch.stack([self.done.all(), self.bad_law, *flags]).tolist()
+    def sync(self, latest: Callable[[], dict], *values: torch.Tensor) -> list:
+        """The round's one host sync: [all rows done?, *values], each value a scalar (read as an int) or a
+        [B] tensor (read as a list); raises FloatingPointError after a NaN/inf law."""
+        parts = [self.done.all(), self.bad_law, *values]
+        flat = torch.cat([p.reshape(-1).long() for p in parts]).tolist()
+        read, at = [], 0
+        for p in parts:
+            n = p.numel()
+            read.append(flat[at] if p.dim() == 0 else flat[at : at + n])
+            at += n
+        done, bad, *rest = read
         if bad:
             _raise_non_finite(latest, self)
-        return [done, *rest]
+        return [bool(done), *rest]
 
     def last_window(self) -> torch.Tensor:
         """[B, W]: the last W generated tokens, -1 where fewer exist (a whole-context law: after the prompt's ids)."""
@@ -507,8 +516,8 @@ def decode_speculative(
               propose(cfg, logits, window, step, min_len, generator) -> (draft token, the law it was drawn
               from); history_windows(last_window, draft_tokens, W) -> the RAS history [B, k+1, W] of each
               verified position (the generated tokens extended by the earlier draft tokens).
-    Host syncs: one per round (the "all rows done?" check, which also carries adaptive's verdict); the
-    statistics are read once at the end.
+    Host syncs: one per round (the "all rows done?" check, which also reads the accepted counts the caches
+    roll back by, and adaptive's verdict); the statistics are read once at the end.
     """
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
@@ -605,15 +614,15 @@ def decode_speculative(
         block[rows, n_acc] = y
         out.emit(block, n_acc + 1)
 
-        target.rollback(cache_t, k - n_acc + pad)
-        draft.rollback(cache_d, k - n_acc)
         before_y = torch.where(n_acc > 0, xs[rows, (n_acc - 1).clamp_min(0)], pending_t[:, 0])
         pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
-        if adaptive:  # its verdict rides on the round's one sync
-            finished, all_kept = out.sync(latest, ((n_acc == k) | ~active).all())
-            k = adaptive.next(k, all_kept)
-        else:
-            (finished,) = out.sync(latest)
+        # The round's one sync also reads the accepted counts, so the caches roll back by host ints
+        # (an eager cache, sliced by ints, then needs no sync of its own) and adaptive gets its verdict.
+        finished, all_kept, accepted = out.sync(latest, ((n_acc == k) | ~active).all(), n_acc)
+        target.rollback(cache_t, [k - a + pad for a in accepted])
+        draft.rollback(cache_d, [k - a for a in accepted])
+        if adaptive:
+            k = adaptive.next(k, bool(all_kept))
         clock.lap("accept")
         if diagnostics:
             tally.diagnose(rule, ps, qs[:, : ps.shape[1]], reached)

@@ -62,7 +62,7 @@ class CachedSpeechLM(nn.Module):
         embeds, lengths = self.embed_prompt(prompt)
         cache = self.backbone.new_cache(embeds.shape[0], embeds.shape[1] + max_new_tokens)
         hidden = self.backbone.forward_cached(embeds, cache, num_new=lengths)
-        cache.prompt_lengths = cache.lengths.clone()
+        cache.mark_prompt()
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
         return cache, self.speech_logits(last).float()
 
@@ -78,7 +78,7 @@ class CachedSpeechLM(nn.Module):
         self.backbone.check_static_cache(cache, tokens.shape[1])
         step = self._compiled_step or self._static_step_logits
         logits = step(tokens, cache.k, cache.v, cache.lengths)
-        cache.lengths = cache.lengths + tokens.shape[1]
+        cache.advance(tokens.shape[1])
         # CUDA graphs reuse their output memory at the next replay: hand the caller its own copy.
         return logits.clone() if self._compiled_step is not None else logits
 
@@ -119,7 +119,7 @@ class CachedSpeechLM(nn.Module):
         )
         return self
 
-    def rollback(self, cache: KVCache, n: torch.Tensor | int) -> None:
+    def rollback(self, cache: KVCache, n: torch.Tensor | int | list[int]) -> None:
         cache.rollback(n)
 
     def codec_tokens(self, tokens: list[int]) -> list[int]:

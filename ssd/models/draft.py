@@ -61,7 +61,7 @@ class Draft(nn.Module):
     def extend(self, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.extend(cache, tokens)
 
-    def rollback(self, cache: Any, n: torch.Tensor | int) -> None:
+    def rollback(self, cache: Any, n: torch.Tensor | int | list[int]) -> None:
         self.model.rollback(cache, n)
 
     def compile_decoding(self, **options: Any) -> Draft:
