@@ -618,11 +618,12 @@ def decode_speculative(
         pending_t, pending_d = y.unsqueeze(-1), torch.stack([before_y, y], 1)
         # The round's one sync also reads the accepted counts, so the caches roll back by host ints
         # (an eager cache, sliced by ints, then needs no sync of its own) and adaptive gets its verdict.
-        finished, all_kept, accepted = out.sync(latest, ((n_acc == k) | ~active).all(), n_acc)
+        verdict = (((n_acc == k) | ~active).all(),) if adaptive else ()
+        finished, *all_kept, accepted = out.sync(latest, *verdict, n_acc)
         target.rollback(cache_t, [k - a + pad for a in accepted])
         draft.rollback(cache_d, [k - a for a in accepted])
         if adaptive:
-            k = adaptive.next(k, bool(all_kept))
+            k = adaptive.next(k, bool(all_kept[0]))
         clock.lap("accept")
         if diagnostics:
             tally.diagnose(rule, ps, qs[:, : ps.shape[1]], reached)
