@@ -72,12 +72,12 @@ def decode_counts(
                 f"{run_dir} holds decodes of {other} seeds per utterance, not {seeds}: choose a new results dir "
                 "or keep reproduce.acceptance_seeds.seeds"
             )
-        todo = [p for p in pairs if p.utt not in done]
+        todo = [(index, p) for index, p in enumerate(pairs) if p.utt not in done]  # index: in the test list
         if todo:
             models = load_models(cfg)
             run.write_config(cfg, inputs)
         prompts = {}
-        for index, pair in enumerate(tqdm(todo, desc=label, disable=not progress)):
+        for index, pair in tqdm(todo, desc=label, disable=not progress):
             item = prepare_item(cfg, models, index, pair, None, prompts)
             batch = [replace(item, seed=utterance_seed(int(cfg.seed) + s, pair.utt)) for s in range(seeds)]
             with torch.inference_mode():
