@@ -156,15 +156,15 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; in batch-invariant mode every row of x goes through its own [1, K] x [K, N] product (a
-    batched matmul over rows with the weight broadcast, not copied), which gives bit-for-bit the result of
-    a 1-row F.linear whatever the number of rows (tests/test_batch_invariance.py)."""
+    """F.linear; in batch-invariant mode every row of x is its own 1-row F.linear call, the very call a
+    row decoded alone makes, so the result is bit-for-bit batch 1's whatever the number of rows and
+    whichever kernels the BLAS picks (tests/test_batch_invariance.py). A batched matmul with the weight
+    broadcast is faster but not safe: its rows matched the 1-row products on an AVX2 CPU and not on an
+    AVX-512 one."""
     rows = x.numel() // max(1, x.shape[-1])
     if not _batch_invariant or rows <= 1:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, 1, x.shape[-1])
-    w = weight.t().expand(rows, -1, -1)
-    out = torch.bmm(flat, w) if bias is None else torch.baddbmm(bias, flat, w)
+    out = torch.cat([F.linear(row, weight, bias) for row in x.reshape(rows, x.shape[-1]).split(1)])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
