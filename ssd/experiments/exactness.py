@@ -253,7 +253,8 @@ def run_exactness_study(experiment: Experiment) -> StudyResult:
 
     paired_text = _paired(cfg, experiment.runs / "test", out_dir)
     verdicts = "".join(
-        f"- {r['arm']}: equality {'accepted' if r['equal law accepted'] else 'rejected'} at p < {chi.alpha} "
+        f"- {r['arm']}: equality {'accepted' if r['equal law accepted'] else 'rejected'} at the {chi.alpha} level "
+        f"(smaller p {min(v for k, v in r.items() if k.startswith('p tokens')):.3g}) "
         f"(expected: {r['expected']}){'' if r['equal law accepted'] == (r['expected'] == 'equal') else ' **UNEXPECTED**'}\n"
         for _, r in chi_table.iterrows()
     )  # fmt: skip
