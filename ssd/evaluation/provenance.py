@@ -14,7 +14,9 @@ from pathlib import Path
 
 
 def machine_description() -> str:
-    """CPU, cores, torch threads and version, device, python, platform."""
+    """CPU and the vector unit torch's CPU kernels use (float rounding differs between them, so results
+    trained or decoded on an AVX2 and an AVX-512 machine differ a little), cores, torch threads and
+    version, device, python, platform."""
     import torch
 
     cpu = platform.processor() or "unknown"
@@ -25,7 +27,8 @@ def machine_description() -> str:
         cpu = names[0] if names else cpu
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA device)"
     return (
-        f"cpu: {cpu}\ncores: {os.cpu_count()}\ntorch threads: {torch.get_num_threads()}\n"
+        f"cpu: {cpu}\ncpu capability (torch kernels): {torch.backends.cpu.get_cpu_capability()}\n"
+        f"cores: {os.cpu_count()}\ntorch threads: {torch.get_num_threads()}\n"
         f"torch: {torch.__version__}\ndevice: {device}\npython: {platform.python_version()}\n"
         f"platform: {platform.platform()}\n"
     )

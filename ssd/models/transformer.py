@@ -159,8 +159,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; in batch-invariant mode every row of x is its own 1-row F.linear call, the very call a
     row decoded alone makes, so the result is bit-for-bit batch 1's whatever the number of rows and
     whichever kernels the BLAS picks (tests/test_batch_invariance.py). A batched matmul with the weight
-    broadcast is faster but not safe: its rows matched the 1-row products on an AVX2 CPU and not on an
-    AVX-512 one."""
+    broadcast is faster but not safe: its rows matched the 1-row products on two AMD EPYCs (AVX2,
+    AVX-512) and not on an Intel Xeon (AVX-512)."""
     rows = x.numel() // max(1, x.shape[-1])
     if not _batch_invariant or rows <= 1:
         return F.linear(x, weight, bias)
