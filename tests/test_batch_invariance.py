@@ -51,22 +51,24 @@ def _linear_shapes(model):
     return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
 
 
-def test_rows_of_a_product_equal_one_row_products(toy_shape_target):
-    """Every Linear of the toy-shape target: row i of an R-row product is the 1-row product, for any R."""
+def test_sequences_of_a_product_equal_their_products_alone(toy_shape_target):
+    """Every Linear of the toy-shape target: sequence b of a B-sequence product is the product of that
+    sequence alone, for any B: single rows ([B, K], the head on each row's last position) and blocks of
+    T positions ([B, T, K], a verify block)."""
     torch.manual_seed(0)
     plain_differs = False
     for n_out, n_in in _linear_shapes(toy_shape_target):
         weight, bias = torch.randn(n_out, n_in) / n_in**0.5, torch.randn(n_out)
-        x = torch.randn(40, n_in)
-        alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(len(x))])
-        alone_no_bias = torch.cat([F.linear(x[i : i + 1], weight) for i in range(len(x))])
-        for rows in (1, 2, 3, 5, 8, 13, 32, 40):
-            with batch_invariant():
-                assert torch.equal(linear(x[:rows], weight, bias), alone[:rows]), (n_out, n_in, rows)
-                assert torch.equal(linear(x[:rows], weight), alone_no_bias[:rows]), (n_out, n_in, rows)
-            plain_differs |= not torch.equal(F.linear(x[:rows], weight, bias), alone[:rows])
+        for x in (torch.randn(40, n_in), torch.randn(40, 4, n_in)):
+            alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(len(x))])
+            alone_no_bias = torch.cat([F.linear(x[i : i + 1], weight) for i in range(len(x))])
+            for rows in (1, 2, 3, 5, 8, 13, 32, 40):
+                with batch_invariant():
+                    assert torch.equal(linear(x[:rows], weight, bias), alone[:rows]), (n_out, x.shape, rows)
+                    assert torch.equal(linear(x[:rows], weight), alone_no_bias[:rows]), (n_out, x.shape, rows)
+                plain_differs |= not torch.equal(F.linear(x[:rows], weight, bias), alone[:rows])
     if not plain_differs:
-        pytest.skip("negative control: this BLAS happens to give 1-row results for every row count")
+        pytest.skip("negative control: this BLAS happens to give batch-1 results for every batch size")
 
 
 def _prompt(target, rows):
@@ -103,8 +105,10 @@ def test_ragged_batch_logits_equal_each_row_alone(toy_shape_target):
     same = all(torch.equal(p[r], plain_alone[r][c][0]) for c, p in enumerate(plain) for r in rows)
     if same:
         pytest.skip("negative control: this machine's plain kernels happen to be batch-invariant here")
-    # The mode changes how a batch is computed, not what batch 1 computes for a token step.
-    assert torch.equal(batch[1][0], plain_alone[0][1][0])
+    # The mode changes how a batch is computed, not what batch 1 computes: every call, bit for bit.
+    for r in rows:
+        for call, logits in enumerate(alone[r]):
+            assert torch.equal(logits, plain_alone[r][call]), f"batch 1, call {call}, row {r}"
 
 
 def test_speculative_decode_at_the_toy_shape_batch_equals_alone(toy_shape_target):

@@ -139,8 +139,8 @@ def rope_inverse_frequencies(config: BackboneConfig) -> tuple[torch.Tensor, floa
 # Batch-invariant numerics (docs/algorithms.md §4.1). A CPU BLAS picks its kernel by the shape of the
 # whole call (a 1-row product and the rows of a 5-row one round differently), and masked attention over
 # padded keys takes another path than attention over a row's own keys; so a row decoded inside a batch
-# would not be bit-for-bit the row decoded alone. In this mode every product row is its own
-# vector-matrix product and every row attends over exactly its own keys, which is what batch 1 computes.
+# would not be bit-for-bit the row decoded alone. In this mode every sequence of a batch is its own
+# product and attends over exactly its own keys, which is what batch 1 computes.
 _batch_invariant = False
 
 
@@ -156,16 +156,15 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; in batch-invariant mode every row of x is its own 1-row F.linear call, the very call a
-    row decoded alone makes, so the result is bit-for-bit batch 1's whatever the number of rows and
-    whichever kernels the BLAS picks (tests/test_batch_invariance.py). A batched matmul with the weight
-    broadcast is faster but not safe: its rows matched the 1-row products on two AMD EPYCs (AVX2,
-    AVX-512) and not on an Intel Xeon (AVX-512)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if not _batch_invariant or rows <= 1:
+    """F.linear; in batch-invariant mode each sequence of the batch (x[b:b+1], x's leading dim) is its own
+    F.linear call, the very call that sequence makes decoded alone, so its result is bit-for-bit batch 1's
+    whichever kernels the BLAS picks (tests/test_batch_invariance.py). Batch 1 itself runs the plain
+    product: a latency timed at batch 1 is what a deployment computes. (A batched matmul over rows with
+    the weight broadcast is faster, but its rows matched the 1-row products on two AMD EPYCs, AVX2 and
+    AVX-512, and not on an Intel Xeon.)"""
+    if not _batch_invariant or x.dim() < 2 or x.shape[0] <= 1:
         return F.linear(x, weight, bias)
-    out = torch.cat([F.linear(row, weight, bias) for row in x.reshape(rows, x.shape[-1]).split(1)])
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.cat([F.linear(sequence, weight, bias) for sequence in x.split(1)])
 
 
 class Linear(nn.Linear):
