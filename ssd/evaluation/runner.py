@@ -285,7 +285,7 @@ def _decode_rows(cfg, m, prompt, generator, min_len, max_len):
 
 
 def batch_invariant_numerics(cfg: DictConfig, m: EvalModels) -> bool:
-    """eval.batch_invariant, where null means: on for an eager CPU target (where the row-by-row products
+    """eval.batch_invariant, where null means: on for an eager CPU target (where the per-sequence products
     cost little and make batch B equal batch 1 bit for bit), off on CUDA (where they would cost the batching)
     and on the compiled static path (whose attention is masked over the whole cache)."""
     wanted, compiled = cfg.eval.get("batch_invariant"), bool(cfg.decoding.get("compile", False))
@@ -436,7 +436,7 @@ def evaluate_batch(cfg: DictConfig, m: EvalModels, items: list[Item], latency_ut
         elif item.index < latency_utts:
             alone, _, alone_seconds = _timed_decode(cfg, m, [item])
             if alone.tokens[0] != tokens:
-                fix = ("eval.batch_invariant=true (row-by-row numerics) or " if not batch_invariant_numerics(cfg, m)
+                fix = ("eval.batch_invariant=true (per-sequence numerics) or " if not batch_invariant_numerics(cfg, m)
                        else "")  # fmt: skip
                 raise RuntimeError(
                     f"utterance {item.pair.utt}: decoded alone it gives other tokens than in a batch of "
