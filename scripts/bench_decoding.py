@@ -255,19 +255,24 @@ def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_l
     # Without the β_t / TV bookkeeping where the engine can skip it, as a deployment decodes.
     parameters = inspect.signature(generate_module.decode_speculative).parameters
     deployment = {"diagnostics": False} if "diagnostics" in parameters else {}
+    # Exactly n tokens each (no early stop token), from one seed: the count must not depend on what the
+    # global RNG did before.
+    exact_length = "min_len" in parameters and "min_len" in inspect.signature(generate_module.decode_ar).parameters
     # The rule of the same revision (rules' attributes change with the engine).
     exact_rule = importlib.import_module(generate_module.__name__.rsplit(".", 1)[0] + ".acceptance").ExactRule
     out = {}
     for mode in ("ar", "speculative"):
         counts = []
         for n in (tokens, 2 * tokens):
+            length = {"max_len": n, **({"min_len": n} if exact_length else {})}
+            torch.manual_seed(0)
             with HostSyncCounter() as counter:
                 if mode == "ar":
-                    generate_module.decode_ar(target, prompt, LAW, max_len=n)
+                    generate_module.decode_ar(target, prompt, LAW, **length)
                     rounds = n
                 else:
                     rounds = generate_module.decode_speculative(
-                        target, draft, prompt, LAW, exact_rule(), draft_len=draft_len, max_len=n, **deployment
+                        target, draft, prompt, LAW, exact_rule(), draft_len=draft_len, **length, **deployment
                     ).stats.rounds  # fmt: skip
             counts.append((rounds, counter.total, dict(counter.calls.most_common())))
         (r1, s1, _), (r2, s2, by_call) = counts
