@@ -257,7 +257,9 @@ def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_l
     deployment = {"diagnostics": False} if "diagnostics" in parameters else {}
     # Exactly n tokens each (no early stop token), from one seed: the count must not depend on what the
     # global RNG did before.
-    exact_length = "min_len" in parameters and "min_len" in inspect.signature(generate_module.decode_ar).parameters
+    exact_length = (
+        "min_len" in parameters and "min_len" in inspect.signature(generate_module.decode_ar).parameters
+    )
     # The rule of the same revision (rules' attributes change with the engine).
     exact_rule = importlib.import_module(generate_module.__name__.rsplit(".", 1)[0] + ".acceptance").ExactRule
     out = {}

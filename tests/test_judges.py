@@ -94,6 +94,17 @@ def resample16(wav, sr):
 # --- audio input -------------------------------------------------------------------------------------
 
 
+def test_a_multi_threaded_cpu_whisper_judge_is_warned_about(tmp_path, caplog):
+    # CTranslate2's extra OpenMP team slows every later multi-threaded torch op: LM-RTF would lie.
+    with caplog.at_level("WARNING", logger="ssd.audio.asr"), pytest.raises(FileNotFoundError):
+        FasterWhisperASR(tmp_path / "missing", cpu_threads=2)
+    assert "asr.cpu_threads=2" in caplog.text and "slows the LM" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ssd.audio.asr"), pytest.raises(FileNotFoundError):
+        FasterWhisperASR(tmp_path / "missing")  # the default: one thread
+    assert "cpu_threads" not in caplog.text
+
+
 def test_resampling_to_16k_keeps_duration_and_pitch():
     sr = 22_050
     t = np.arange(sr) / sr

@@ -47,6 +47,14 @@ def dnsmos():
     return DNSMOS()
 
 
+def test_dnsmos_sessions_sleep_when_idle(dnsmos):
+    # A busy-waiting onnxruntime worker keeps a core after score() returns: the next timed decode pays for it.
+    for session in (dnsmos.p835, dnsmos.p808):
+        options = session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert options.intra_op_num_threads == 1 and options.inter_op_num_threads == 1
+
+
 def _with_noise(wav: np.ndarray, snr_db: float, seed: int) -> np.ndarray:
     noise = np.random.default_rng(seed).standard_normal(wav.size).astype(np.float32)
     noise *= np.sqrt(np.mean(wav**2) / np.mean(noise**2) / 10 ** (snr_db / 10))

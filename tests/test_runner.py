@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from omegaconf import OmegaConf
 
 from ssd.evaluation import runner
@@ -350,6 +351,32 @@ def test_end_to_end_rtf_adds_the_vocoder_time(micro_world, tmp_path):
         assert r["vocoder_time"] > 0
         assert r["e2e_rtf"] == pytest.approx((r["lm_time"] + r["vocoder_time"]) / r["audio_sec"])
     assert metrics["e2e_rtf"] > metrics["lm_rtf"] and 0 < metrics["vocoder_share"] < 1
+
+
+def test_judges_run_with_single_threaded_numpy_blas_and_torch_untouched(micro_world, tmp_path, monkeypatch):
+    # OpenBLAS workers busy-wait after each call and slowed the next timed decode: judges get one BLAS thread.
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    models = runner.load_models(_cfg(micro_world))
+    seen = []
+    transcribe = type(models.asr).transcribe
+
+    def recording(self, wav, sr):
+        seen.append((blas_threads(), torch.get_num_threads()))
+        return transcribe(self, wav, sr)
+
+    monkeypatch.setattr(type(models.asr), "transcribe", recording)
+    with threadpool_limits(2, user_api="blas"):
+        before = blas_threads()
+        evaluate(_cfg(micro_world, n_utts=2, max_len=10), tmp_path / "run")
+        assert blas_threads() == before  # restored for the caller
+    assert before and set(before.values()) == {2}  # the control: two threads outside a run
+    assert seen and all(
+        set(blas.values()) == {1} and threads == 1 for blas, threads in seen
+    )  # eval.num_threads
 
 
 def test_decoding_compile_calls_each_models_compile_decoding(micro_world, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from ssd.audio.features import resample
+
+log = logging.getLogger(__name__)
 
 ASR_SAMPLE_RATE = 16_000
 
@@ -187,12 +190,17 @@ class FasterWhisperASR:
         device: str = "cpu",
         compute_type: str = "int8",
         beam_size: int = 1,
-        cpu_threads: int = 0,
+        cpu_threads: int = 1,
         language: str = "en",
         closed_vocabulary: Sequence[Sequence[str]] | None = None,
         vocabulary_mode: str | None = None,
     ) -> None:
         """model_dir: a CTranslate2 Whisper dir; None = Whisper base built into cache_dir from PyPI."""
+        if device == "cpu" and cpu_threads != 1:
+            # CTranslate2's OpenMP calls bind to the libgomp torch loaded first; its extra team makes that runtime
+            # oversubscribed, and every later multi-threaded torch op (the timed LM decodes) runs 2-3x slower.
+            log.warning("asr.cpu_threads=%s: on the CPU, a Whisper judge with more than one thread slows the LM "
+                        "decodes timed after it (scripts/bench_judge_isolation.py); 1 keeps LM-RTF honest", cpu_threads)  # fmt: skip
         if model_dir is None:
             if cache_dir is None:
                 raise ValueError(

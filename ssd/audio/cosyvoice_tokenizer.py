@@ -27,7 +27,7 @@ class CosyVoiceSpeechTokenizer:
     max_seconds = 30.0  # the model's limit; CosyVoice's own extraction tool refuses longer audio too
 
     def __init__(self, onnx_path: str | Path, num_threads: int = 1, providers: list[str] | None = None):
-        import onnxruntime
+        from ssd.audio.onnx import onnx_session
 
         path = Path(onnx_path)
         if path.is_dir():
@@ -37,13 +37,8 @@ class CosyVoiceSpeechTokenizer:
                 f"CosyVoice 2 speech tokenizer not found at {path}: pass the path of {MODEL_FILENAME} "
                 "(or the CosyVoice2-0.5B model directory that contains it)"
             )
-        options = onnxruntime.SessionOptions()
-        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = num_threads
         self.path = path
-        self.session = onnxruntime.InferenceSession(
-            str(path), sess_options=options, providers=providers or ["CPUExecutionProvider"]
-        )
+        self.session = onnx_session(path, num_threads, providers)
         self._check_signature()
 
     @classmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ssd.audio.features import resample
+from ssd.audio.onnx import onnx_session
 
 MOS_SAMPLE_RATE = 16_000
 MIN_SECONDS = 0.25  # shorter clips say nothing about naturalness (DNSMOS repeats a clip to fill 9 s)
@@ -96,17 +97,8 @@ class DNSMOS:
                     f"DNSMOS model_dir={root}: no {path.relative_to(root)} (the layout of the speechmos "
                     "0.0.1.1 wheel); leave model_dir null to use the installed speechmos package"
                 )
-        import onnxruntime
-
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = int(num_threads or 0)  # 0: onnxruntime's default
-        options.inter_op_num_threads = 1
-
-        def session(path: Path):
-            return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-        self.p835 = session(p835)
-        self.p808 = session(paths[1]) if p808 else None
+        self.p835 = onnx_session(p835, num_threads)
+        self.p808 = onnx_session(paths[1], num_threads) if p808 else None
         self.keys = ("ovrl", "sig", "bak", *(("p808",) if p808 else ()))
         self._polys = [np.poly1d(c) for c in _P835_POLYFIT[self.personalized]]
 

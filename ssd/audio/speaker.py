@@ -80,13 +80,9 @@ class CamPlusSpeaker:
             raise FileNotFoundError(
                 f"CAM++ onnx_path={onnx_path}: no such file (campplus.onnx of CosyVoice 2)"
             )
-        import onnxruntime
+        from ssd.audio.onnx import onnx_session
 
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = int(num_threads)
-        self.session = onnxruntime.InferenceSession(
-            str(onnx_path), options, providers=["CPUExecutionProvider"]
-        )
+        self.session = onnx_session(onnx_path, int(num_threads))
         inputs = self.session.get_inputs()
         shape = inputs[0].shape
         if len(inputs) != 1 or len(shape) != 3 or shape[2] != 80:

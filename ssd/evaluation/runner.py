@@ -537,9 +537,10 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
             "prompts", {"tok": cfg.speech_tokenizer, "sim": cfg.sim, "vocoder": cfg.vocoder}, dict
         )
         items = [prepare_item(cfg, models, i, p, wrong_texts[i], prompt_cache) for i, p in todo]
-        if items and cfg.eval.get("warmup", True):
-            _warm_up(cfg, models, items[0])
-        _run_loop(cfg, models, items, batch_size, records, run.results, run_dir / AUDIO_DIR, n_audio)
+        with single_threaded_blas():
+            if items and cfg.eval.get("warmup", True):
+                _warm_up(cfg, models, items[0])
+            _run_loop(cfg, models, items, batch_size, records, run.results, run_dir / AUDIO_DIR, n_audio)
 
         metrics = summarize(records, int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed))
         metrics.update(run_labels(cfg, models), batch_size=batch_size, batch_note=batch_note)
@@ -549,6 +550,20 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         run.write_metrics(metrics)
     log_to_wandb(cfg, run_dir, metrics, records, run_dir / AUDIO_DIR, n_audio)
     return metrics
+
+
+def single_threaded_blas():
+    """A context in which numpy's and scipy's BLAS run on one thread (torch's threads are untouched). An
+    OpenBLAS worker busy-waits after each call (librosa's mel filterbank in DNSMOS, resemblyzer's), so it
+    took a core from the decode timed next: 1.3x slower on 2 cores (`python scripts/bench_judge_isolation.py`).
+    Entered after the judges are loaded, so it sees the libraries they brought."""
+    from threadpoolctl import ThreadpoolController
+
+    controller = ThreadpoolController()
+    torch_dir = str(Path(torch.__file__).parent)
+    blas = [lib.filepath for lib in controller.lib_controllers
+            if lib.user_api == "blas" and not lib.filepath.startswith(torch_dir)]  # fmt: skip
+    return controller.select(filepath=blas).limit(limits=1)
 
 
 def _run_loop(cfg, models, items, batch_size, records, results_path, audio_dir, n_audio) -> None:
