@@ -61,7 +61,7 @@ def fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=REPO / "experiments" / "results" / "bench_judge_isolation"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
     from omegaconf import open_dict
@@ -113,7 +113,10 @@ def main() -> None:
 
     # Before any judge has run: the reference for what persists (a judge that slows torch for good slows
     # the interleaved back-to-back decodes too, which the paired ratio alone would hide).
-    first = np.array([[runner._timed_decode(cfg, m, [item])[2] for item in items] for _ in range(args.reps)])
+    # (One pass more, dropped: the first passes after loading run slower.)
+    first = np.array(
+        [[runner._timed_decode(cfg, m, [item])[2] for item in items] for _ in range(args.reps + 1)]
+    )[1:]
     decode_s = {name: np.zeros((args.reps, len(items))) for name in conditions}
     judge_s = {name: [] for name in conditions}
     names = list(conditions)
@@ -150,7 +153,7 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(
         {"items": len(items), "reps": args.reps, "overrides": args.overrides, "rows": rows}, indent=2) + "\n")  # fmt: skip
     (args.out / "command.txt").write_text(
-        f"python scripts/bench_judge_isolation.py {' '.join(sys.argv[1:])}\n"
+        f"python scripts/bench_judge_isolation.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
     )
     (args.out / "machine.txt").write_text(machine_description())
     (args.out / "git_commit.txt").write_text(git_description(REPO))
@@ -168,7 +171,8 @@ def main() -> None:
               f"| {r['vs_first_pass']:.3f} | {r['judge_ms_per_call']:.1f} ms |" for r in rows]  # fmt: skip
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -128,3 +128,21 @@ def test_bench_sweep_times_batch_1_against_batched_and_finds_them_identical(micr
     assert {p.name for p in out.iterdir()} >= {"summary.md", "command.txt", "machine.txt", "git_commit.txt"}
     with pytest.raises(SystemExit, match="exists"):  # a timing never reuses a finished sweep dir
         bench.main(args)
+
+
+def test_bench_judge_isolation_pairs_every_condition_with_back_to_back(micro_world, tmp_path):
+    from tests.fixtures_eval import sweep_overrides
+
+    bench = load_script("bench_judge_isolation")
+    out = tmp_path / "isolation"
+    assert bench.main([*sweep_overrides(micro_world, n_utts=2, max_len=10), "--items", "2", "--reps", "2",
+                       "--out", str(out)]) == 0  # fmt: skip
+    rows = {r["condition"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {
+        "back to back, before any judge ran", "back to back", "vocoder (as run)", "asr (as run)", "sim (as run)",
+        "mos (as run)", "sim (BLAS on every thread)", "mos (BLAS on every thread)",
+        "mos (BLAS on every thread, ONNX spinning: before)",
+    }  # fmt: skip
+    assert rows["back to back"]["ratio_median"] == 1.0 and rows["mos (as run)"]["judge_ms_per_call"] > 0
+    assert all(r["decode_s_total"] > 0 and r["vs_first_pass"] > 0 for r in rows.values())
+    assert {p.name for p in out.iterdir()} >= {"summary.md", "command.txt", "machine.txt", "git_commit.txt"}
