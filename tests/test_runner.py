@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -377,6 +380,26 @@ def test_judges_run_with_single_threaded_numpy_blas_and_torch_untouched(micro_wo
     assert seen and all(
         set(blas.values()) == {1} and threads == 1 for blas, threads in seen
     )  # eval.num_threads
+
+
+def test_single_threaded_blas_covers_the_blas_a_judge_loads_later():
+    # librosa loads scipy's OpenBLAS at its first mel spectrogram, inside the run: it must be limited too.
+    pytest.importorskip("librosa", reason="the judges extra")
+    code = (
+        "import sys, numpy as np, torch\n"
+        "from threadpoolctl import threadpool_info\n"
+        "from ssd.evaluation.runner import single_threaded_blas\n"
+        "assert 'scipy.linalg' not in sys.modules\n"
+        "with single_threaded_blas():\n"
+        "    import librosa\n"
+        "    librosa.feature.melspectrogram(y=np.random.default_rng(0).standard_normal(16000), sr=16000)\n"
+        "    blas = [i for i in threadpool_info() if i['user_api'] == 'blas']\n"
+        "    print(len(blas), sorted({i['num_threads'] for i in blas}))\n"
+    )
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}  # two threads unless limited, on any machine
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    count, threads = out.stdout.split(maxsplit=1)
+    assert int(count) >= 2 and threads.strip() == "[1]", out.stdout  # numpy's and scipy's, both limited
 
 
 def test_decoding_compile_calls_each_models_compile_decoding(micro_world, tmp_path, monkeypatch):

@@ -556,7 +556,9 @@ def single_threaded_blas():
     """A context in which numpy's and scipy's BLAS run on one thread (torch's threads are untouched). An
     OpenBLAS worker busy-waits after each call (librosa's mel filterbank in DNSMOS, resemblyzer's), so it
     took a core from the decode timed next: 1.3x slower on 2 cores (`python scripts/bench_judge_isolation.py`).
-    Entered after the judges are loaded, so it sees the libraries they brought."""
+    It limits the BLAS libraries loaded when it is entered: after the judges are loaded, and after scipy's
+    own OpenBLAS, which librosa loads only at its first mel spectrogram (inside the first job otherwise)."""
+    import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS)
     from threadpoolctl import ThreadpoolController
 
     controller = ThreadpoolController()
