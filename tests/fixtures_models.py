@@ -46,15 +46,15 @@ TINY_LLAMA = dict(
 TINY_LLASA_SPEECH_TOKENS = 40
 
 
-def make_tiny_cosyvoice2_dir(path: Path, seed: int = 0, **config_overrides) -> Path:
+def make_tiny_cosyvoice2_dir(
+    path: Path, seed: int = 0, speech_tokens: int = TINY_SPEECH_TOKENS, **config_overrides
+) -> Path:
     """A random-weight CosyVoice 2 dir (llm.pt + CosyVoice-BlankEN/) with a word tokenizer."""
     from ssd.models.checkpoints import write_cosyvoice2_dir
     from ssd.models.text_tokenizer import write_word_tokenizer
 
     tokenizer_dir = write_word_tokenizer(WORDS, Path(path).parent / f"{Path(path).name}_words")
-    return write_cosyvoice2_dir(
-        path, {**TINY_QWEN2, **config_overrides}, TINY_SPEECH_TOKENS, tokenizer_dir, seed
-    )
+    return write_cosyvoice2_dir(path, {**TINY_QWEN2, **config_overrides}, speech_tokens, tokenizer_dir, seed)
 
 
 def make_tiny_llasa_dir(path: Path, seed: int = 0) -> Path:

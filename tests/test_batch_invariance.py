@@ -1,4 +1,4 @@
-"""Batch-invariant numerics (`ssd.models.transformer.batch_invariant`): at the toy target's real shape, a
+"""Batch-invariant numerics (`ssd.models.transformer.use_batch_invariant`): at the toy target's real shape, a
 row decoded inside a ragged batch gets bit-for-bit the logits, hence the tokens, it gets decoded alone.
 
 The plain kernels are not so on a CPU BLAS (a 1-row product and the rows of a 5-row one round
@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from engine_models import speculative
 from fixtures_models import WORDS
 
 from ssd.decoding.acceptance import ToleranceRule
-from ssd.decoding.generate import decode_speculative
 from ssd.decoding.rng import RowRandom
 from ssd.decoding.sampling import SamplingConfig
-from ssd.models.transformer import Linear, batch_invariant, linear
+from ssd.models.transformer import Linear, linear, use_batch_invariant
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_TARGET = yaml.safe_load((REPO / "configs/target/toy.yaml").read_text())
@@ -63,9 +63,16 @@ def test_sequences_of_a_product_equal_their_products_alone(toy_shape_target):
             alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(len(x))])
             alone_no_bias = torch.cat([F.linear(x[i : i + 1], weight) for i in range(len(x))])
             for rows in (1, 2, 3, 5, 8, 13, 32, 40):
-                with batch_invariant():
-                    assert torch.equal(linear(x[:rows], weight, bias), alone[:rows]), (n_out, x.shape, rows)
-                    assert torch.equal(linear(x[:rows], weight), alone_no_bias[:rows]), (n_out, x.shape, rows)
+                assert torch.equal(linear(x[:rows], weight, bias, per_row=True), alone[:rows]), (
+                    n_out,
+                    x.shape,
+                    rows,
+                )
+                assert torch.equal(linear(x[:rows], weight, per_row=True), alone_no_bias[:rows]), (
+                    n_out,
+                    x.shape,
+                    rows,
+                )
                 plain_differs |= not torch.equal(F.linear(x[:rows], weight, bias), alone[:rows])
     if not plain_differs:
         pytest.skip("negative control: this BLAS happens to give batch-1 results for every batch size")
@@ -94,9 +101,12 @@ def _logits_trace(target, rows):
 
 def test_ragged_batch_logits_equal_each_row_alone(toy_shape_target):
     rows = list(range(len(TEXTS)))
-    with batch_invariant():
+    use_batch_invariant(toy_shape_target)
+    try:
         batch = _logits_trace(toy_shape_target, rows)
         alone = [_logits_trace(toy_shape_target, [r]) for r in rows]
+    finally:
+        use_batch_invariant(toy_shape_target, False)
     for call, logits in enumerate(batch):
         for r in rows:
             assert torch.equal(logits[r], alone[r][call][0]), f"call {call}, row {r}"
@@ -112,19 +122,20 @@ def test_ragged_batch_logits_equal_each_row_alone(toy_shape_target):
 
 
 def test_speculative_decode_at_the_toy_shape_batch_equals_alone(toy_shape_target):
-    from ssd.models.draft import build_draft
+    from ssd.drafters.layers import build_draft
 
     draft = build_draft(toy_shape_target, layers=[0, 1, -1])
     law = SamplingConfig(temperature=1.0, top_k=25, top_p=0.8, stop_tokens=toy_shape_target.stop_tokens)
     rule, seeds, max_len = ToleranceRule(beta=0.4), [3, 1, 4, 1_000_003], [40, 25, 33, 40]
 
     def decode(rows):
-        with batch_invariant():
-            return decode_speculative(toy_shape_target, draft, _prompt(toy_shape_target, rows), law, rule,
-                                      draft_len=3, max_len=torch.tensor([max_len[r] for r in rows]),
-                                      generator=RowRandom([seeds[r] for r in rows]))  # fmt: skip
+        return speculative(toy_shape_target, None, _prompt(toy_shape_target, rows), law, rule, 3,
+                           torch.tensor([max_len[r] for r in rows]), 0, RowRandom([seeds[r] for r in rows]),
+                           drafter=draft)  # fmt: skip
 
     rows = list(range(len(TEXTS)))
+    use_batch_invariant(toy_shape_target)
+    use_batch_invariant(draft)
     batch = decode(rows)
     assert len({len(t) for t in batch.tokens}) > 1  # ragged outputs
     for r in rows:

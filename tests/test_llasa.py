@@ -11,7 +11,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ssd.contracts import SpeechLM  # noqa: E402
-from ssd.models.draft import build_draft  # noqa: E402
+from ssd.drafters.layers import build_draft  # noqa: E402
 from ssd.models.llasa import LlasaLM, LlasaPrompt  # noqa: E402
 from tests.fixtures_models import TINY_LLASA_SPEECH_TOKENS  # noqa: E402
 

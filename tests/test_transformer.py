@@ -9,7 +9,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.models.transformer import Backbone, BackboneConfig  # noqa: E402
+from ssd.models.backbone_config import BackboneConfig  # noqa: E402
+from ssd.models.transformer import Backbone  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ssd.contracts import IGNORE_INDEX
-from ssd.models.transformer import Backbone, KVCache
+from ssd.models.kv_cache import KVCache
+from ssd.models.transformer import Backbone
 
 RECOMPILE_LIMIT = 128  # step graphs per code object: batch sizes x block lengths x capacities, all models
 
@@ -58,9 +59,11 @@ class CachedSpeechLM(nn.Module):
 
     # --- SpeechLM ------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, prompt: Any, max_new_tokens: int) -> tuple[KVCache, torch.Tensor]:
+    def prefill(
+        self, prompt: Any, max_new_tokens: int, taps: Sequence[int] = ()
+    ) -> tuple[KVCache, torch.Tensor]:
         embeds, lengths = self.embed_prompt(prompt)
-        cache = self.backbone.new_cache(embeds.shape[0], embeds.shape[1] + max_new_tokens)
+        cache = self.backbone.new_cache(embeds.shape[0], embeds.shape[1] + max_new_tokens, taps=taps)
         hidden = self.backbone.forward_cached(embeds, cache, num_new=lengths)
         cache.mark_prompt()
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
@@ -77,10 +80,12 @@ class CachedSpeechLM(nn.Module):
             return self.speech_logits(self.backbone.forward_cached(self.embed_speech(tokens), cache)).float()
         self.backbone.check_static_cache(cache, tokens.shape[1])
         step = self._compiled_step or self._static_step_logits
-        logits = step(tokens, cache.k, cache.v, cache.lengths)
+        logits, features = step(tokens, cache.k, cache.v, cache.lengths, cache.taps)
         cache.advance(tokens.shape[1])
-        # CUDA graphs reuse their output memory at the next replay: hand the caller its own copy.
-        return logits.clone() if self._compiled_step is not None else logits
+        if self._compiled_step is not None:  # CUDA graphs reuse their output memory at the next replay
+            logits, features = logits.clone(), None if features is None else features.clone()
+        cache.keep_features(features, tokens.shape[1])
+        return logits
 
     def _static_step_logits(
         self,
@@ -88,10 +93,13 @@ class CachedSpeechLM(nn.Module):
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
         lengths: torch.Tensor,
-    ) -> torch.Tensor:
-        """The static step from speech ids to float32 logits (what compile_decoding compiles)."""
-        hidden = self.backbone.static_forward(self.embed_speech(tokens), k_cache, v_cache, lengths)
-        return self.speech_logits(hidden).float()
+        taps: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The static step from speech ids to (float32 logits, features at `taps`): what compile_decoding compiles."""
+        hidden, features = self.backbone.static_forward(
+            self.embed_speech(tokens), k_cache, v_cache, lengths, taps
+        )
+        return self.speech_logits(hidden).float(), features
 
     def compile_decoding(
         self,
@@ -139,6 +147,18 @@ class CachedSpeechLM(nn.Module):
         Returns (logits [B, T, V], targets [B, T]); row b's input is prefix_embeds(text) ++ speech and its
         target IGNORE_INDEX for every prefix position but the last, then speech ++ [EOS]; padding is ignored.
         """
+        return self.teacher_forced(text_ids, text_lens, speech_tokens, speech_lens)[:2]
+
+    def teacher_forced(
+        self,
+        text_ids: torch.Tensor,
+        text_lens: torch.Tensor,
+        speech_tokens: torch.Tensor,
+        speech_lens: torch.Tensor,
+        taps: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`training_logits` plus the hidden states after `taps` layers [B, T, len(taps), H] (None without taps):
+        what a drafter that reads the target's features trains on."""
         b = text_ids.shape[0]
         if not (text_lens.numel() == speech_tokens.shape[0] == speech_lens.numel() == b):
             raise ValueError(
@@ -163,8 +183,8 @@ class CachedSpeechLM(nn.Module):
             targets.append(torch.cat([ignore, speech, eos]))
         embeds, lengths = pad_right(rows)
         target = nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX)
-        hidden = self.backbone(embeds, lengths=lengths)
-        return self.speech_logits(hidden), target
+        hidden, features = self.backbone.forward_features(embeds, lengths, tuple(taps))
+        return self.speech_logits(hidden), target, features
 
     # --- helpers -------------------------------------------------------------------------------
     @property

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from ssd.models.backbone_config import BackboneConfig
 from ssd.models.cosyvoice2 import TEXT_SPECIAL_TOKENS, CosyVoice2LM
 from ssd.models.text_tokenizer import load_text_tokenizer
-from ssd.models.transformer import BackboneConfig
 
 
 def _as_tokenizer(tokenizer: Any, extra_special_tokens=()) -> Any:

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ssd.files import read_checkpoint
+from ssd.models.backbone_config import BackboneConfig
 from ssd.models.base import (
     CachedSpeechLM,
     check_state_dict,
@@ -41,7 +42,7 @@ from ssd.models.base import (
     resolve_dtype,
 )
 from ssd.models.text_tokenizer import load_text_tokenizer
-from ssd.models.transformer import Backbone, BackboneConfig, Linear
+from ssd.models.transformer import Backbone, Linear
 
 LLM_FILE = "llm.pt"
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"

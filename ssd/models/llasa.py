@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ssd.files import read_safetensors
+from ssd.models.backbone_config import BackboneConfig
 from ssd.models.base import (
     CachedSpeechLM,
     check_state_dict,
@@ -42,7 +43,7 @@ from ssd.models.base import (
     resolve_dtype,
 )
 from ssd.models.text_tokenizer import load_text_tokenizer
-from ssd.models.transformer import Backbone, BackboneConfig, linear
+from ssd.models.transformer import Backbone, Linear, linear
 
 SPECIAL_TOKENS = (
     "<|TEXT_GENERATION_START|>", "<|TEXT_GENERATION_END|>", "<|TEXT_UNDERSTANDING_START|>",
@@ -96,7 +97,7 @@ class LlasaLM(CachedSpeechLM):
             raise ValueError(f"target.model.head must be one of {HEADS} (docs/target-llasa.md), got {head!r}")
         self.backbone = Backbone(backbone_config)
         # Always a module; when the checkpoint ties it, it holds the embedding's own tensor.
-        self.lm_head = nn.Linear(backbone_config.hidden_size, backbone_config.vocab_size, bias=False)
+        self.lm_head = Linear(backbone_config.hidden_size, backbone_config.vocab_size, bias=False)
         self.speech_offset = speech_offset
         self.num_speech_tokens = num_speech_tokens
         self.speech_end_id = speech_end_id
@@ -260,7 +261,8 @@ class LlasaLM(CachedSpeechLM):
     def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # One matmul per contiguous range of head rows (views: no copy of the 65k+-row head).
         weight = self.lm_head.weight
-        return torch.cat([linear(hidden, weight[a:b]) for a, b in self._head_ranges], dim=-1)
+        per_row = self.lm_head.batch_invariant
+        return torch.cat([linear(hidden, weight[a:b], per_row=per_row) for a, b in self._head_ranges], dim=-1)
 
     # --- drafts --------------------------------------------------------------------------------
     def module_groups(self) -> dict[str, nn.Module]:

@@ -2,167 +2,53 @@
 
 Hand-written rather than HF `Qwen2Model` because (docs/cpu-physics.md) HF + DynamicCache costs
 ~6-9 ms extra per decode step on the 2-core CPU, and per-row rollback inside a batch is awkward
-there. Here the cache is a preallocated buffer with a per-row `lengths` vector (gpt-fast style):
+there. Here the cache is a preallocated buffer with a per-row `lengths` vector (`ssd.models.kv_cache`):
 rollback is `lengths -= n`, and rows of one batch may sit at different lengths.
 
 Parameter names equal HF's (`layers.{i}.self_attn.q_proj.weight`, `norm.weight`, ...), so a
 `Qwen2Model` / `LlamaModel` state dict loads with `strict=True`.
+
+Batch-invariant numerics (docs/algorithms.md §4.1): a CPU BLAS picks its kernel by the shape of the whole
+call (a 1-row product and the rows of a 5-row one round differently), and masked attention over padded keys
+takes another path than attention over a row's own keys; so a row decoded inside a batch would not be bit for
+bit the row decoded alone. A model switched to batch-invariant numerics (`use_batch_invariant(model)`)
+computes every sequence of a batch as its own product and attends over exactly its own keys, which is what
+batch 1 computes. It is a property of the model (its `Linear` and `Backbone` modules), set explicitly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+from ssd.models.backbone_config import BackboneConfig, rope_inverse_frequencies
+from ssd.models.kv_cache import KVCache
+
 STATIC_MIN_CAPACITY = (
     256  # smallest static cache: prompts + generations of a few hundred tokens share one shape
 )
 
 
-@dataclass(frozen=True)
-class BackboneConfig:
-    """The architecture numbers of a Qwen2 / LLaMA decoder (read from an HF config.json)."""
-
-    model_type: str  # "qwen2" or "llama"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e4}
-    )
-    qkv_bias: bool = True  # Qwen2: always on; LLaMA: config.attention_bias
-    o_bias: bool = False  # LLaMA's attention_bias also covers o_proj
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
-            )
-
-    @classmethod
-    def from_hf(cls, config: Any) -> BackboneConfig:
-        """From a transformers `Qwen2Config` / `LlamaConfig` (or anything with the same attributes)."""
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
-            )
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu', as Qwen2 and LLaMA use)")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", getattr(config, "rope_theta", 1e4))
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            rope_parameters=rope,
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    def to_hf(self) -> Any:
-        """The equivalent transformers config (used for RoPE variants and for comparisons with HF)."""
-        from transformers import LlamaConfig, Qwen2Config
-
-        common = dict(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
-        if self.model_type == "qwen2":
-            return Qwen2Config(**common)
-        return LlamaConfig(**common, attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-
-    def with_layers(self, num_layers: int) -> BackboneConfig:
-        return dataclasses.replace(self, num_layers=num_layers)
+def use_batch_invariant(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switch every `Linear` and `Backbone` of `model` to (or from) batch-invariant numerics; returns it."""
+    for module in model.modules():
+        if isinstance(module, Linear | Backbone):
+            module.batch_invariant = enabled
+    return model
 
 
-def rope_inverse_frequencies(config: BackboneConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2], attention_scaling), using transformers' RoPE variants (llama3, yarn, ...)."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type == "default":
-        dim = config.head_dim
-        base = float(config.rope_parameters["rope_theta"])
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
-            f"rope_type {rope_type!r} is unknown to transformers ({sorted(ROPE_INIT_FUNCTIONS)})"
-        )
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config.to_hf(), None)
-    return inv_freq.float(), float(scaling)
-
-
-# Batch-invariant numerics (docs/algorithms.md §4.1). A CPU BLAS picks its kernel by the shape of the
-# whole call (a 1-row product and the rows of a 5-row one round differently), and masked attention over
-# padded keys takes another path than attention over a row's own keys; so a row decoded inside a batch
-# would not be bit-for-bit the row decoded alone. In this mode every sequence of a batch is its own
-# product and attends over exactly its own keys, which is what batch 1 computes.
-_batch_invariant = False
-
-
-@contextmanager
-def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Within the block, `linear` and the cached attention compute each row as batch 1 would."""
-    global _batch_invariant
-    before, _batch_invariant = _batch_invariant, enabled
-    try:
-        yield
-    finally:
-        _batch_invariant = before
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; in batch-invariant mode each sequence of the batch (x[b:b+1], x's leading dim) is its own
-    F.linear call, the very call that sequence makes decoded alone, so its result is bit-for-bit batch 1's
-    whichever kernels the BLAS picks (tests/test_batch_invariance.py). Batch 1 itself runs the plain
-    product: a latency timed at batch 1 is what a deployment computes. (A batched matmul over rows with
-    the weight broadcast is faster, but its rows matched the 1-row products on two AMD EPYCs, AVX2 and
-    AVX-512, and not on an Intel Xeon.)"""
-    if not _batch_invariant or x.dim() < 2 or x.shape[0] <= 1:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, per_row: bool = False
+           ) -> torch.Tensor:  # fmt: skip
+    """F.linear; with `per_row` each sequence of the batch (x[b:b+1], x's leading dim) is its own F.linear
+    call, the very call that sequence makes decoded alone, so its result is bit-for-bit batch 1's whichever
+    kernels the BLAS picks (tests/test_batch_invariance.py). Batch 1 itself runs the plain product: a latency
+    timed at batch 1 is what a deployment computes. (A batched matmul over rows with the weight broadcast is
+    faster, but its rows matched the 1-row products on two AMD EPYCs, AVX2 and AVX-512, and not on an Intel
+    Xeon.)"""
+    if not per_row or x.dim() < 2 or x.shape[0] <= 1:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(sequence, weight, bias) for sequence in x.split(1)])
 
@@ -170,8 +56,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) computed by `linear`."""
 
+    batch_invariant = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.batch_invariant)
 
 
 class RMSNorm(nn.Module):
@@ -188,108 +76,6 @@ class RMSNorm(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass
-class KVCache:
-    """Static KV buffers for all layers and the per-row number of valid positions.
-
-    `static` marks a cache made for the static decode path (`Backbone.static_step`): its capacity is
-    fixed at creation and its steps and rollbacks never read a value back to the host. An eager cache
-    slices its buffers by Python ints, so it keeps `lengths` as ints beside the tensor (`host_lengths`)
-    while every update is one it can follow on the host (a block of k, a rollback by ints), and reads
-    the device only after one it cannot.
-    """
-
-    # One tensor per layer, [B, n_kv_heads, capacity, head_dim]: per-layer tensors (not one stacked
-    # buffer) let inductor write the static step's new entries in place instead of copying the layer.
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    lengths: torch.Tensor  # LongTensor [B]: positions 0..lengths[b]-1 of row b are valid
-    prompt_lengths: torch.Tensor  # LongTensor [B]: rollback never goes below these
-    static: bool = False
-    generation: int = 0  # static caches: which prefill of the shared buffers this cache is
-    # (lengths tensor, the same as ints): valid while `lengths` is still that very tensor, so code that
-    # assigns `lengths` directly only costs the next read a sync, never a stale value.
-    _host: tuple[torch.Tensor, list[int]] | None = field(default=None, repr=False)
-    _host_prompt: list[int] | None = field(default=None, repr=False)
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
-
-    def _known_host_lengths(self) -> list[int] | None:
-        return self._host[1] if self._host is not None and self._host[0] is self.lengths else None
-
-    def host_lengths(self) -> list[int]:
-        """`lengths` as Python ints: free while the host could follow every update, else one host sync."""
-        known = self._known_host_lengths()
-        if known is None:
-            known = self.lengths.tolist()
-            self._host = (self.lengths, known)
-        return known
-
-    def _set_lengths(self, lengths: torch.Tensor, host: list[int] | None) -> None:
-        self.lengths = lengths
-        self._host = None if host is None else (lengths, host)
-
-    def mark_prompt(self) -> None:
-        """The current lengths are the prompt: rollback never goes below them (read once, at prefill,
-        on an eager cache; never on a static one)."""
-        self.prompt_lengths = self.lengths.clone()
-        self._host_prompt = None if self.static else list(self.host_lengths())
-
-    def advance(self, n: torch.Tensor | int) -> None:
-        """lengths += n (an int: the same block for every row, followed on the host; or a tensor [B])."""
-        if isinstance(n, int):
-            known = self._known_host_lengths()
-            self._set_lengths(self.lengths + n, None if known is None else [h + n for h in known])
-        else:
-            self._set_lengths(self.lengths + n.to(self.lengths.device), None)
-
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow the buffers (rare: only when a caller extends past what prefill reserved)."""
-        if needed <= self.capacity:
-            return
-        if self.static:
-            raise ValueError(
-                f"a static KV cache cannot grow (capacity {self.capacity}, {needed} positions needed): "
-                "reserve the room at prefill (max_new_tokens)"
-            )
-        new_capacity = max(needed, self.capacity + 64)
-        for layers in (self.k, self.v):
-            for i, old in enumerate(layers):
-                shape = list(old.shape)
-                shape[2] = new_capacity
-                layers[i] = old.new_zeros(shape)
-                layers[i][:, :, : old.shape[2]] = old
-
-    def rollback(self, n: torch.Tensor | int | list[int]) -> None:
-        """Forget the last n positions of each row (n: int, ints [B] or LongTensor [B]). Ints let an
-        eager cache check and follow the rollback on the host; a static cache takes either without a sync."""
-        known = self._known_host_lengths()
-        host = None
-        if known is not None and not isinstance(n, torch.Tensor):
-            host = [h - m for h, m in zip(known, [n] * len(known) if isinstance(n, int) else n, strict=True)]
-        if isinstance(n, list):
-            n = torch.as_tensor(n, dtype=self.lengths.dtype, device=self.lengths.device)
-        new_lengths = self.lengths - n
-        if self.static:
-            # No host sync: on CUDA a violation is a device-side assert that surfaces at the next sync.
-            torch._assert_async(
-                (new_lengths >= self.prompt_lengths).all(),
-                "rollback would cut into the prompt (a row was rolled back past its prompt length)",
-            )
-        elif (
-            any(h < p for h, p in zip(host, self._host_prompt))
-            if host is not None and self._host_prompt is not None
-            else bool((new_lengths < self.prompt_lengths).any())
-        ):
-            raise ValueError(
-                f"rollback by {n.tolist() if isinstance(n, torch.Tensor) else n} would cut into the prompt "
-                f"(lengths {self.lengths.tolist()}, prompt lengths {self.prompt_lengths.tolist()})"
-            )
-        self._set_lengths(new_lengths, host)
 
 
 class Attention(nn.Module):
@@ -358,10 +144,13 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Qwen2 / LLaMA decoder stack: embed_tokens, layers, final norm (no LM head)."""
 
+    batch_invariant = False  # each sequence attends over exactly its own keys (use_batch_invariant)
+
     def __init__(self, config: BackboneConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # vocab_size 0: a stack fed with embeddings only (the feature and block drafters embed with the target's table)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if config.vocab_size else None
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.init_rope()
@@ -404,7 +193,13 @@ class Backbone(nn.Module):
         """Full-sequence forward without cache (training). inputs_embeds [B, T, H] right-padded;
         lengths [B] (None = all T valid). Returns final-normed hidden states [B, T, H]; outputs at
         padded positions are meaningless."""
-        b, t, _ = inputs_embeds.shape
+        return self.forward_features(inputs_embeds, lengths)[0]
+
+    def forward_features(
+        self, inputs_embeds: torch.Tensor, lengths: torch.Tensor | None = None, taps: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the hidden states after `taps` layers [B, T, len(taps), H] (None without taps)."""
+        taps, t = self.check_taps(taps), inputs_embeds.shape[1]
         positions = torch.arange(t, device=inputs_embeds.device)[None]
         cos, sin = self._rope(positions, inputs_embeds.dtype)
         mask = None
@@ -412,13 +207,17 @@ class Backbone(nn.Module):
             keys = torch.arange(t, device=inputs_embeds.device)
             causal = keys[None, :] <= keys[:, None]  # [T, T]
             mask = (causal[None] & (keys[None, None, :] < lengths.to(keys.device)[:, None, None]))[:, None]
-        x = inputs_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, lambda q, k, v: sdpa(q, k, v, mask))
-        return self.norm(x)
+        return self._stack(inputs_embeds, cos, sin, lambda layer: lambda q, k, v: sdpa(q, k, v, mask), taps)
+
+    def check_taps(self, taps) -> tuple[int, ...]:
+        """Taps as layer counts 0..num_layers (negative ones count from the top: -1 = the last layer's output)."""
+        n = len(self.layers)
+        if any(not -n - 1 <= int(t) <= n for t in taps):
+            raise ValueError(f"taps {list(taps)}: hidden states exist after 0..{n} layers (or -1..-{n + 1})")
+        return tuple(int(t) % (n + 1) for t in taps)
 
     def new_cache(
-        self, batch_size: int, capacity: int, dtype: torch.dtype | None = None, device: Any = None
+        self, batch_size: int, capacity: int, dtype: torch.dtype | None = None, device: Any = None, taps=()
     ) -> KVCache:
         """An empty cache for `capacity` positions per row. On the static path (`static_step`) the
         capacity is rounded up to a power of two (at least STATIC_MIN_CAPACITY) and the buffers of one
@@ -426,7 +225,7 @@ class Backbone(nn.Module):
         shapes and the same addresses (CUDA graphs replay instead of re-recording); a cache is then
         valid only until the next new_cache of its shape on this backbone."""
         c = self.config
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         dtype = dtype or weight.dtype
         device = torch.device(device or weight.device)
         zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -436,9 +235,8 @@ class Backbone(nn.Module):
             return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
 
         if not self.static_step:
-            return KVCache(
-                k=allocate(capacity), v=allocate(capacity), lengths=zeros, prompt_lengths=zeros.clone()
-            )
+            return KVCache(k=allocate(capacity), v=allocate(capacity), lengths=zeros, prompt_lengths=zeros.clone(),
+                           taps=self.check_taps(taps))  # fmt: skip
         capacity = max(STATIC_MIN_CAPACITY, 1 << (max(capacity, 1) - 1).bit_length())
         key = (batch_size, capacity, dtype, device)
         if key in self._static_buffers:
@@ -451,9 +249,8 @@ class Backbone(nn.Module):
             for t in (*k, *v):  # the step mutates these in place; static addresses let CUDA graphs do so
                 torch._dynamo.mark_static_address(t)
         self._static_buffers[key] = (k, v, generation)
-        return KVCache(
-            k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone(), static=True, generation=generation
-        )
+        return KVCache(k=k, v=v, lengths=zeros, prompt_lengths=zeros.clone(), static=True, generation=generation,
+                       taps=self.check_taps(taps))  # fmt: skip
 
     def forward_cached(
         self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None = None
@@ -467,9 +264,10 @@ class Backbone(nn.Module):
         k = inputs_embeds.shape[1]
         if cache.static:
             self.check_static_cache(cache, k)
-            hidden = self.static_forward(inputs_embeds, cache.k, cache.v, cache.lengths)
+            hidden, features = self.static_forward(inputs_embeds, cache.k, cache.v, cache.lengths, cache.taps)
         else:
-            hidden = self._eager_forward(inputs_embeds, cache, num_new)
+            hidden, features = self._eager_forward(inputs_embeds, cache, num_new)
+        cache.keep_features(features, k if num_new is None else num_new)
         cache.advance(k if num_new is None else num_new)
         return hidden
 
@@ -496,12 +294,13 @@ class Backbone(nn.Module):
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
         lengths: torch.Tensor,
-    ) -> torch.Tensor:
+        taps: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The static step: no Python-int slicing and no host sync, fixed shapes for a given block
         length (so torch.compile with CUDA graphs can capture it). Row b's block goes to positions
         lengths[b] + j by indexed assignment (in place under inductor); attention runs over the whole
         capacity with a mask built from lengths. The caller advances lengths (stale entries past them
-        stay masked)."""
+        stay masked). Returns (final-normed hidden states, features at `taps` or None)."""
         b, k, _ = inputs_embeds.shape
         device = inputs_embeds.device
         positions = lengths[:, None] + torch.arange(k, device=device)  # [B, k]
@@ -517,12 +316,12 @@ class Backbone(nn.Module):
 
             return attend
 
-        return self._layers(inputs_embeds, positions, attend_at)
+        return self._layers(inputs_embeds, positions, attend_at, taps)
 
     def _eager_forward(
         self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None
-    ) -> torch.Tensor:
-        if _batch_invariant and num_new is not None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.batch_invariant and num_new is not None:
             return self._forward_rows(inputs_embeds, cache, num_new)
         b, k, _ = inputs_embeds.shape
         starts = cache.host_lengths()  # the cache is sliced by Python ints (a host sync only if untracked)
@@ -546,7 +345,7 @@ class Backbone(nn.Module):
                 cache.k[layer][rows, :, positions] = key.transpose(1, 2)
                 cache.v[layer][rows, :, positions] = value.transpose(1, 2)
 
-        if _batch_invariant and b > 1:  # row r attends over its own start_r + k keys, with batch 1's mask
+        if self.batch_invariant and b > 1:  # row r attends over its own start_r + k keys, with batch 1's mask
             row_mask = [None if k == 1 else block_mask(start, k, start + k, device) for start in starts]
 
             def attend_at(layer: int):
@@ -574,31 +373,44 @@ class Backbone(nn.Module):
 
                 return attend
 
-        return self._layers(inputs_embeds, positions, attend_at)
+        return self._layers(inputs_embeds, positions, attend_at, cache.taps)
 
     def _forward_rows(
         self, inputs_embeds: torch.Tensor, cache: KVCache, num_new: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A right-padded block (prefill) in batch-invariant mode: each row's own n_r positions go through
-        the stack alone, with the plain kernels, i.e. exactly batch 1's prefill. Writes into the cache's
-        rows; the outputs past a row's n_r positions are zeros."""
+        the stack alone (a batch of one runs the plain kernels), i.e. exactly batch 1's prefill. Writes into
+        the cache's rows; the outputs past a row's n_r positions are zeros."""
         b, k, _ = inputs_embeds.shape
         counts = num_new.tolist()
         cache.ensure_capacity(int(cache.lengths.max()) + k)  # before taking row views of the buffers
         hidden = inputs_embeds.new_zeros(inputs_embeds.shape)
-        with batch_invariant(False):
-            for r, n in enumerate(counts):
-                if n == 0:
-                    continue
-                row = KVCache(k=[t[r : r + 1] for t in cache.k], v=[t[r : r + 1] for t in cache.v],
-                              lengths=cache.lengths[r : r + 1], prompt_lengths=cache.prompt_lengths[r : r + 1])  # fmt: skip
-                hidden[r : r + 1, :n] = self._eager_forward(inputs_embeds[r : r + 1, :n], row, None)
-        return hidden
+        features = (
+            inputs_embeds.new_zeros(b, k, len(cache.taps), inputs_embeds.shape[2]) if cache.taps else None
+        )
+        for r, n in enumerate(counts):
+            if n == 0:
+                continue
+            row = KVCache(k=[t[r : r + 1] for t in cache.k], v=[t[r : r + 1] for t in cache.v], taps=cache.taps,
+                          lengths=cache.lengths[r : r + 1], prompt_lengths=cache.prompt_lengths[r : r + 1])  # fmt: skip
+            hidden_r, features_r = self._eager_forward(inputs_embeds[r : r + 1, :n], row, None)
+            hidden[r : r + 1, :n] = hidden_r
+            if features is not None:
+                features[r : r + 1, :n] = features_r
+        return hidden, features
 
-    def _layers(self, inputs_embeds, positions, attend_at) -> torch.Tensor:
+    def _layers(
+        self, inputs_embeds, positions, attend_at, taps=()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over a cached block: the part both cache paths share."""
         cos, sin = self._rope(positions, inputs_embeds.dtype)
-        x = inputs_embeds
+        return self._stack(inputs_embeds, cos, sin, attend_at, taps)
+
+    def _stack(self, x, cos, sin, attend_at, taps) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-normed output, the residual stream after `taps` layers [B, T, len(taps), H] or None)."""
+        kept = {0: x} if 0 in taps else {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attend_at(i))
-        return self.norm(x)
+            if i + 1 in taps:
+                kept[i + 1] = x
+        return self.norm(x), torch.stack([kept[t] for t in taps], 2) if taps else None
