@@ -11,12 +11,13 @@ from scipy.stats import chisquare
 from ssd.decoding.acceptance import (
     ExactRule,
     GreedyRule,
-    PCGRule,
     SyntheticRule,
     TargetOnlyRule,
     ToleranceRule,
     TypicalRule,
 )
+from ssd.decoding.pcg import PCGRule
+from ssd.decoding.sequences import UNSETTLED
 
 P_REJECT = 1e-3
 VOCAB = 7
@@ -126,7 +127,7 @@ def test_one_step_test_rejects_a_wrong_law():
 def pcg_setup(vocab=12, theta=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(vocab, 4, generator=g)
-    rule = PCGRule(emb, theta=theta)
+    rule = PCGRule(theta=theta, vectors=emb)
     p, q = laws(seed, n=1, vocab=vocab, sharp=2.0)
     return rule, emb, p[0], q[0]
 
@@ -143,7 +144,7 @@ def coarse_reference(emb, theta, law):
 
 def test_pcg_groups_and_coarse_law_match_the_definition():
     rule, emb, p, q = pcg_setup()
-    assert 1 < rule.sizes.float().mean() < len(emb)  # overlapping, non-trivial groups
+    assert 1 < rule.groups.sizes.float().mean() < len(emb)  # overlapping, non-trivial groups
     torch.testing.assert_close(rule.coarse_law(q.unsqueeze(0))[0], coarse_reference(emb, 0.3, q))
     assert rule.coarse_law(q.unsqueeze(0)).sum() == pytest.approx(1.0)
 
@@ -166,7 +167,7 @@ def pcg_group_p_value(rule, p, q, expected, n=30_000):
 
 def test_pcg_sampler_emits_groups_from_the_coarse_target_law():
     rule, emb, p, q = pcg_setup()
-    rule.max_thinning_trials = 2  # exercise both thinning and the enumerated fallback
+    rule.thinning_trials = 2  # exercise both thinning and the enumerated fallback (settle)
     assert pcg_group_p_value(rule, p, q, coarse_reference(emb, 0.3, q)) > P_REJECT
 
 
@@ -191,12 +192,12 @@ def test_pcg_accepts_more_than_exact_with_wide_groups():
 def test_every_shipped_rule_config_builds_its_rule_and_labels_its_runs():
     from hydra.utils import instantiate
 
-    from ssd.config import group_options, option_node
+    from ssd.config import compose, group_options
 
     labels = {}
     for option in group_options("acceptance"):
-        rule = instantiate(option_node("acceptance", option, **({"beta": 0.2} if option == "tolerance" else {})
-                                      | ({"theta": 0.3} if option == "pcg" else {})))  # fmt: skip
+        cfg = compose("sweep", [f"acceptance={option}", "beta=0.2", "theta=0.3"])
+        rule = instantiate(cfg.acceptance)
         labels[rule.name] = rule.labels()
     assert labels["tolerance"] == {"beta": 0.2}
     assert labels["pcg"] == {"theta": 0.3, "group_size": None, "source": "embedding"}
@@ -216,8 +217,8 @@ def test_pcg_takes_its_groups_from_the_target_it_is_bound_to():
             return emb[tokens]
 
     bound = PCGRule(theta=0.9).bind(Target())
-    direct = PCGRule(emb, theta=0.9)
-    assert torch.equal(bound.neighbors, direct.neighbors) and bound.sizes.tolist() == [2] * 8
+    direct = PCGRule(theta=0.9, vectors=emb)
+    assert torch.equal(bound.groups.dense(), direct.groups.dense()) and bound.groups.sizes.tolist() == [2] * 8
 
 
 def _rules_for_streams():
@@ -237,13 +238,22 @@ def test_verify_draws_a_fixed_count_per_row_and_a_row_verifies_as_alone(rule):
     p, q = p.float().reshape(n, k + 1, vocab)[:, :k], q.float().reshape(n, k + 1, vocab)
     x = torch.multinomial(p.reshape(-1, vocab), 1, generator=torch.Generator().manual_seed(0)).reshape(n, k)
     seeds = list(range(100, 100 + n))
+    if isinstance(rule, PCGRule):
+        rule.thinning_trials = 1  # some rows then need the enumerated fallback (`settle`)
+
+    def verify(rows, streams):
+        n_acc, token = rule.verify(p[rows], q[rows], x[rows], streams)
+        unsettled = token == UNSETTLED
+        return n_acc, rule.settle(token) if bool(unsettled.any()) else token, unsettled
+
     batch_rng = RowRandom(seeds)
-    n_acc, token = rule.verify(p, q, x, batch_rng)
+    n_acc, token, unsettled = verify(slice(None), batch_rng)
     assert len(set(n_acc.tolist())) > 1  # the verdicts differ between rows
-    for b in (0, 17, n - 1):
+    assert not (token == UNSETTLED).any()
+    for b in (*range(4), 17, n - 1, *unsettled.nonzero().flatten().tolist()[:3]):
         alone = RowRandom([seeds[b]])
-        n_b, token_b = rule.verify(p[b : b + 1], q[b : b + 1], x[b : b + 1], alone)
+        n_b, token_b, _ = verify(slice(b, b + 1), alone)
         assert (n_b.item(), token_b.item()) == (n_acc[b].item(), token[b].item())
         assert alone.drawn == batch_rng.drawn
     if isinstance(rule, PCGRule):
-        assert batch_rng.drawn == 2 * k + 3 * rule.max_thinning_trials + 3
+        assert unsettled.any() and batch_rng.drawn == 2 * k + 3 * rule.thinning_trials + 4

@@ -12,10 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from torch._dynamo.testing import CompileCounter  # noqa: E402
 
-from ssd.decoding.generate import decode_ar  # noqa: E402
+from ssd.decoding.generate import Request, decode_ar  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig  # noqa: E402
+from ssd.drafters.layers import build_draft  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM  # noqa: E402
-from ssd.models.draft import build_draft  # noqa: E402
 from ssd.models.llasa import LlasaLM  # noqa: E402
 
 torch.set_num_threads(1)
@@ -95,8 +95,8 @@ def test_draft_compiles_by_delegation_and_many_block_lengths_stay_compiled(tiny_
     assert draft.compile_decoding(backend=counter) is draft
     target.compile_decoding(backend=counter)
     prompt = target.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
-    want, _ = run_script(eager_draft, prompt, SCRIPT)
-    got, cache = run_script(draft, prompt, SCRIPT)
+    want, _ = run_script(eager_draft.model, prompt, SCRIPT)
+    got, cache = run_script(draft.model, prompt, SCRIPT)
     assert cache.static and counter.frame_count == 3
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
@@ -116,7 +116,7 @@ def test_inductor_compiled_greedy_decode_equals_eager(tiny_cosyvoice2_dir):
     compiled = CosyVoice2LM.from_dir(tiny_cosyvoice2_dir).compile_decoding()
     prompt = eager.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
     greedy = SamplingConfig(temperature=0.0, stop_tokens=eager.stop_tokens)
-    results = [decode_ar(m, prompt, greedy, max_len=12) for m in (eager, compiled)]
+    results = [decode_ar(m, Request(prompt, 12), greedy) for m in (eager, compiled)]
     assert results[0].tokens == results[1].tokens
     assert sum(len(t) for t in results[0].tokens) > 2 * 3  # a real decode, not a stop at once
     script = [("extend", torch.tensor([[5], [7]])), ("extend", torch.tensor([[8], [1]]))]
@@ -190,8 +190,8 @@ def test_cuda_graph_decode_equals_eager(tiny_cosyvoice2_dir):
         assert torch.allclose(a, b, atol=1e-4, rtol=0)
     greedy = SamplingConfig(temperature=0.0, stop_tokens=eager.stop_tokens)
     assert (
-        decode_ar(eager, prompt, greedy, max_len=16).tokens
-        == decode_ar(compiled, prompt, greedy, max_len=16).tokens
+        decode_ar(eager, Request(prompt, 16), greedy).tokens
+        == decode_ar(compiled, Request(prompt, 16), greedy).tokens
     )
 
 
@@ -202,7 +202,8 @@ def test_inductor_writes_the_static_cache_in_place():
     layer buffer. Control: a scatter into a slice of one stacked buffer, which inductor does copy."""
     from torch._inductor.utils import run_and_get_code
 
-    from ssd.models.transformer import Backbone, BackboneConfig
+    from ssd.models.backbone_config import BackboneConfig
+    from ssd.models.transformer import Backbone
 
     config = BackboneConfig("qwen2", 50, 32, 48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     model = Backbone(config).eval()
@@ -238,6 +239,7 @@ def test_a_speculative_round_reads_the_device_once_on_either_cache_path(tiny_cos
 
     from ssd.decoding.acceptance import ExactRule
     from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.observe import Instruments
     from ssd.decoding.rng import RowRandom
 
     counter_type = load_script("bench_decoding").HostSyncCounter
@@ -249,8 +251,8 @@ def test_a_speculative_round_reads_the_device_once_on_either_cache_path(tiny_cos
 
     def reads_and_rounds(n):
         with counter_type() as counter:
-            result = decode_speculative(target, draft, prompt, law, ExactRule(), draft_len=3, max_len=n,
-                                        diagnostics=False, generator=RowRandom([3, 4]))  # fmt: skip
+            result = decode_speculative(target, draft, Request(prompt, n, 0, RowRandom([3, 4])), law, ExactRule(), 3,
+                                        Instruments(diagnostics=False))  # fmt: skip
         return counter.total, result.stats.rounds, counter.calls
 
     (short, short_rounds, _), (long, long_rounds, calls) = reads_and_rounds(12), reads_and_rounds(36)

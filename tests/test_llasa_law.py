@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
-from engine_models import TrigramLM, chi_square_fit, trigram_pair
+from engine_models import StaleWindowLaw, TrigramLM, autoregressive, chi_square_fit, speculative, trigram_pair
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -26,7 +26,6 @@ from transformers.generation.logits_process import (
 )
 
 from ssd.decoding.acceptance import ExactRule
-from ssd.decoding.generate import decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig, distribution
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,13 +152,12 @@ def p_value(samples: list[list[int]], law: dict[tuple, float], length: int, eos:
     return chi_square_fit(Counter(map(outcome, samples)), law)[2]
 
 
-def spec_samples(cfg, draft_len=3, seed=0, min_len=0, **seams):
+def spec_samples(cfg, draft_len=3, seed=0, min_len=0):
     target, draft = trigram_models()
     g = torch.Generator().manual_seed(seed)
-    return decode_speculative(
-        target, draft, PROMPT.expand(N_SEQ, -1), cfg, ExactRule(),
-        draft_len=draft_len, max_len=3, min_len=min_len, generator=g, **seams,
-    ).tokens  # fmt: skip
+    return speculative(
+        target, draft, PROMPT.expand(N_SEQ, -1), cfg, ExactRule(), draft_len, 3, min_len, g
+    ).tokens
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +173,7 @@ def laws():
 def test_ar_sampler_matches_the_enumerated_law(laws, name):
     target, _ = trigram_models()
     g = torch.Generator().manual_seed(1)
-    tokens = decode_ar(target, PROMPT.expand(N_SEQ, -1), OPTIONS[name], max_len=3, generator=g).tokens
+    tokens = autoregressive(target, PROMPT.expand(N_SEQ, -1), OPTIONS[name], 3, 0, g).tokens
     assert p_value(tokens, laws[name], 3, EOS) > P_REJECT
 
 
@@ -187,12 +185,9 @@ def test_speculative_reproduces_each_law_option(laws, name, draft_len):
 
 def test_penalty_verified_without_the_draft_extended_history_is_rejected(laws):
     """Negative control: position i of a verify block penalising only prompt + generated (not x_<i)."""
-
-    def stale(last_window, draft_tokens, window):
-        return last_window.unsqueeze(1).expand(-1, draft_tokens.shape[1] + 1, -1)
-
     cfg = OPTIONS["full_head_penalty_2"]
-    assert p_value(spec_samples(cfg, history_windows=stale), laws["full_head_penalty_2"], 3, EOS) < P_REJECT
+    stale = StaleWindowLaw(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    assert p_value(spec_samples(stale), laws["full_head_penalty_2"], 3, EOS) < P_REJECT
 
 
 def test_penalty_without_the_prompt_ids_is_rejected(laws):
@@ -204,10 +199,8 @@ def test_penalty_without_the_prompt_ids_is_rejected(laws):
 
     target, draft = trigram_models()
     g = torch.Generator().manual_seed(0)
-    tokens = decode_speculative(
-        NoContext(target.table), draft, PROMPT.expand(N_SEQ, -1), OPTIONS["full_head_penalty_2"], ExactRule(),
-        draft_len=3, max_len=3, generator=g,
-    ).tokens  # fmt: skip
+    tokens = speculative(NoContext(target.table), draft, PROMPT.expand(N_SEQ, -1), OPTIONS["full_head_penalty_2"],
+                         ExactRule(), 3, 3, 0, g).tokens  # fmt: skip
     assert p_value(tokens, laws["full_head_penalty_2"], 3, EOS) < P_REJECT
 
 
@@ -221,7 +214,7 @@ def test_the_law_options_differ(laws):
 def test_a_law_of_the_whole_context_needs_the_models_context_ids():
     target, _ = trigram_pair(VOCAB, seed=4)
     with pytest.raises(TypeError, match="context_ids.*repetition_penalty=null"):
-        decode_ar(target, PROMPT, OPTIONS["full_head_penalty"], max_len=2)
+        autoregressive(target, PROMPT, OPTIONS["full_head_penalty"], 2)
 
 
 def test_penalty_and_ras_cannot_be_combined():
@@ -236,7 +229,7 @@ def test_penalty_and_ras_cannot_be_combined():
 
 @pytest.fixture(scope="module")
 def llasa(tiny_llasa_dir):
-    from ssd.models.draft import build_draft
+    from ssd.drafters.layers import build_draft
     from ssd.models.llasa import LlasaLM
 
     target = LlasaLM.from_dir(tiny_llasa_dir)
@@ -253,7 +246,7 @@ def test_llasa_speculative_reproduces_upstreams_law(llasa, cfg):
     assert sum(p for seq, p in law.items() if any(t > target.eos_token for t in seq)) > 0.05  # text tokens
     g = torch.Generator().manual_seed(0)
     batch = type(prompt)(prompt.input_ids * (N_SEQ // 2))
-    result = decode_speculative(target, draft, batch, cfg, ExactRule(), draft_len=2, max_len=2, generator=g)
+    result = speculative(target, draft, batch, cfg, ExactRule(), 2, 2, 0, g)
     assert p_value(result.tokens, law, 2, target.eos_token) > P_REJECT
     emitted = [t for row in result.tokens for t in row]
     assert any(t > target.eos_token for t in emitted)  # text tokens were sampled and stayed in the context
@@ -266,7 +259,8 @@ def test_verify_block_laws_equal_hf_generates_own_scores(llasa, tiny_llasa_dir):
     earlier tokens via the verification windows) equal them on every head id."""
     from transformers import LlamaForCausalLM
 
-    from ssd.decoding.generate import _Output, _verification_windows
+    from ssd.decoding.generate import Request
+    from ssd.decoding.sequences import Sequences
 
     target, _ = llasa
     cfg = replace(UPSTREAM_LORA, stop_tokens=target.stop_tokens)
@@ -286,8 +280,8 @@ def test_verify_block_laws_equal_hf_generates_own_scores(llasa, tiny_llasa_dir):
     k = block.shape[1] - 1
     cache, first = target.prefill(prompt, k + 2)
     logits = torch.cat([first[:, None], target.extend(cache, block[:, :k])], 1)[0].double()
-    history = _Output(1, torch.tensor([k + 1]), cfg, "cpu", target, prompt, slack=k + 1)
-    windows = _verification_windows(history.last_window(), block[:, :k], history.window)[0]
+    history = Sequences(Request(prompt, k + 1), cfg, target, first, slack=k + 1)
+    windows = cfg.windows(history.last_window(), block[:, :k])[0]
     torch.testing.assert_close(distribution(cfg, logits, windows), hf_laws, atol=1e-5, rtol=0)
     # the same block with the un-extended history is another law
     stale = history.last_window().expand(k + 1, -1)

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_models import trigram_pair
+from engine_models import speculative, trigram_pair
 from scipy.stats import binomtest, chisquare
 
-from ssd.decoding.acceptance import AUDIT_FIELDS, ExactRule, GroupSwap, PCGRule, ToleranceRule
-from ssd.decoding.generate import decode_speculative
+from ssd.decoding.acceptance import ExactRule, ToleranceRule
+from ssd.decoding.pcg import GroupSwap, PCGRule
 from ssd.decoding.sampling import SamplingConfig
 
 P_REJECT = 1e-3
+AUDIT_FIELDS = ToleranceRule.audit_fields
 
 
 def vectors(vocab: int, dim: int, seed: int = 0) -> torch.Tensor:
@@ -39,7 +40,7 @@ class FakeTarget:
 @pytest.mark.parametrize("dim", [4, 64])
 @pytest.mark.parametrize("mean_size", [1.5, 3.0, 8.0])
 def test_a_requested_mean_group_size_is_met_on_any_embedding_space(dim, mean_size):
-    rule = PCGRule(vectors(300, dim), group_size=mean_size)
+    rule = PCGRule(vectors=vectors(300, dim), group_size=mean_size)
     stats = rule.group_stats()
     assert stats["group_mean_size"] == pytest.approx(mean_size, abs=0.01)
     assert stats["group_theta"] == rule.theta and rule.labels()["group_size"] == mean_size
@@ -48,55 +49,57 @@ def test_a_requested_mean_group_size_is_met_on_any_embedding_space(dim, mean_siz
 def test_one_absolute_theta_gives_other_group_sizes_on_other_spaces():
     """Negative control: the θ that gives mean size 3 on 4-dim vectors, used on 64-dim ones, is far off
     (why an absolute cosine does not transfer between targets and the size is resolved per target)."""
-    theta = PCGRule(vectors(300, 4), group_size=3.0).theta
-    elsewhere = PCGRule(vectors(300, 64), theta=theta).group_stats()["group_mean_size"]
+    theta = PCGRule(vectors=vectors(300, 4), group_size=3.0).theta
+    elsewhere = PCGRule(vectors=vectors(300, 64), theta=theta).group_stats()["group_mean_size"]
     assert abs(elsewhere - 3.0) > 1.0
 
 
 def test_group_size_one_is_exact_decoding_and_stop_tokens_stay_alone():
     target = FakeTarget(vectors(40, 8), stop_tokens=3)
     alone = PCGRule(group_size=1.0).bind(target)
-    assert alone.sizes.tolist() == [1] * 43 and alone.group_stats()["group_singleton_fraction"] == 1.0
+    assert alone.groups.sizes.tolist() == [1] * 43 and alone.group_stats()["group_singleton_fraction"] == 1.0
     wide = PCGRule(group_size=6.0).bind(target)
     assert wide.group_stats()["group_mean_size"] == pytest.approx(6.0, abs=0.03)
-    assert wide.sizes[40:].tolist() == [1, 1, 1]  # stop tokens
-    stops = wide.neighbors[:40][wide.neighbor_mask[:40]]
-    assert int(stops.max()) < 40  # no speech token's group holds a stop token
+    assert wide.groups.sizes[40:].tolist() == [1, 1, 1]  # stop tokens
+    ids, mask = wide.members(torch.arange(40))
+    assert int(ids[mask].max()) < 40  # no speech token's group holds a stop token
 
 
 def test_bad_group_settings_name_the_key_and_the_fix():
+    from ssd.toy_world.groups import MelFrames
+
     with pytest.raises(ValueError, match=r"acceptance.group_size=0.5.*>= 1"):
         PCGRule(group_size=0.5)
-    with pytest.raises(ValueError, match=r"acceptance.source='phones'.*embedding"):
-        PCGRule(source="phones")
-    with pytest.raises(ValueError, match=r"acceptance.codec_dir"):
-        PCGRule(source="mel")
+    with pytest.raises(ValueError, match=r"groups.codec_dir.*groups=embedding"):
+        MelFrames(codec_dir="")
 
 
-@pytest.mark.parametrize("source", ["mel", "codec"])
+@pytest.mark.parametrize("source", ["MelFrames", "CodecCentroids"])
 def test_codec_sources_group_the_toy_codecs_tokens(micro_world, source):
+    import ssd.toy_world.groups as groups
     from ssd.models.cosyvoice2 import CosyVoice2LM
 
     target = CosyVoice2LM.from_dir(micro_world.toy / "target")
-    rule = PCGRule(group_size=3.0, source=source, codec_dir=str(micro_world.toy / "codec")).bind(target)
+    vectors_of = getattr(groups, source)(codec_dir=str(micro_world.toy / "codec"))
+    rule = PCGRule(group_size=3.0, source=vectors_of).bind(target)
     assert rule.vocab_size == target.vocab_size
     assert rule.group_stats()["group_mean_size"] == pytest.approx(3.0, abs=0.05)
+    assert rule.labels()["source"] == vectors_of.name
     embedding = PCGRule(group_size=3.0).bind(target)
-    assert not torch.equal(rule.neighbors[:50], embedding.neighbors[:50])  # another grouping
+    assert not torch.equal(rule.groups.dense(), embedding.groups.dense())  # another grouping
     with pytest.raises(ValueError, match="codec_dir"):
-        PCGRule(group_size=3.0, source=source, codec_dir=str(micro_world.toy / "codec")).bind(
-            FakeTarget(vectors(7, 4))
-        )
+        PCGRule(group_size=3.0, source=vectors_of).bind(FakeTarget(vectors(7, 4)))
 
 
 # ---- the stress test's swap ------------------------------------------------------------------------
 
 
 def test_group_swap_draws_a_uniform_member_of_the_tokens_group():
-    swap = GroupSwap(PCGRule(vectors(30, 6), group_size=4.0))
+    swap = GroupSwap(PCGRule(vectors=vectors(30, 6), group_size=4.0))
     groups = swap.groups
-    token = int(groups.sizes.argmax())
-    members = groups.neighbors[token][groups.neighbor_mask[token]].tolist()
+    token = int(groups.groups.sizes.argmax())
+    ids, mask = groups.members(torch.tensor(token))
+    members = ids[mask].tolist()
     n = 4000
     drawn = np.array([swap([token], seed)[0] for seed in range(n)])
     assert set(drawn) <= set(members)
@@ -109,12 +112,12 @@ def test_group_swap_draws_a_uniform_member_of_the_tokens_group():
 
 
 def test_group_swap_fraction_is_one_minus_mean_inverse_size_and_keeps_stop_tokens():
-    swap = GroupSwap(PCGRule(vectors(50, 6), group_size=5.0))
+    swap = GroupSwap(PCGRule(vectors=vectors(50, 6), group_size=5.0))
     tokens = list(range(50)) * 40 + [50, 51]  # 50, 51: ids beyond the speech tokens
     out = swap(tokens, seed=3)
     assert out[-2:] == [50, 51] and swap(tokens, seed=3) == out  # reproducible per seed
     changed = sum(a != b for a, b in zip(tokens[:-2], out[:-2]))
-    expected = float((1 - 1 / swap.groups.sizes.double()).mean())
+    expected = float((1 - 1 / swap.groups.groups.sizes.double()).mean())
     assert binomtest(changed, 2000, expected).pvalue > P_REJECT
     assert binomtest(changed, 2000, expected / 2).pvalue < P_REJECT  # negative control
 
@@ -133,7 +136,7 @@ def test_beta_only_fraction_matches_its_closed_form():
     """Among accepted draft tokens, P(accepted only because of β) = Σ p·min(β, 1 - a)⁺ / Σ p·min(1, a + β),
     a = min(1, q/p): the audit's flag measures exactly the acceptances β adds."""
     beta, n, vocab = 0.3, 40_000, 9
-    groups = PCGRule(vectors(vocab, 3), group_size=2.0)
+    groups = PCGRule(vectors=vectors(vocab, 3), group_size=2.0)
     rule = ToleranceRule(beta, audit_groups=groups)
     p1, q1 = audit_laws(1, vocab)
     p, q = p1.expand(n, 1, -1), q1.expand(n, 2, -1)
@@ -157,7 +160,7 @@ def test_beta_only_fraction_matches_its_closed_form():
     qx = q1[0, 0][x[:, 0]]
     torch.testing.assert_close(fields[:, 0, AUDIT_FIELDS.index("q")], qx)
     torch.testing.assert_close(fields[:, 0, AUDIT_FIELDS.index("q_over_max")], qx / q1[0, 0].max())
-    mass = groups.membership() @ q1[0, 0]
+    mass = groups.groups.dense() @ q1[0, 0]
     torch.testing.assert_close(fields[:, 0, AUDIT_FIELDS.index("group_q_mass")], mass[x[:, 0]])
 
 
@@ -169,20 +172,8 @@ def test_the_engine_audits_without_changing_the_decode():
     audited = ToleranceRule(0.4, audit_groups=PCGRule(group_size=2.0)).bind(
         FakeTarget(vectors(5, 3), stop_tokens=1)
     )
-    runs = [
-        decode_speculative(
-            target,
-            draft,
-            prompt,
-            cfg,
-            rule,
-            draft_len=3,
-            max_len=20,
-            min_len=1,
-            generator=torch.Generator().manual_seed(0),
-        )  # fmt: skip
-        for rule in (plain, audited)
-    ]
+    runs = [speculative(target, draft, prompt, cfg, rule, 3, 20, 1, torch.Generator().manual_seed(0))
+            for rule in (plain, audited)]  # fmt: skip
     assert runs[0].tokens == runs[1].tokens
     assert "beta_audit" not in runs[0].rows[0]
     for row in runs[1].rows:
@@ -195,13 +186,14 @@ def test_the_engine_audits_without_changing_the_decode():
 
 # ---- the runner: group statistics, the stress test, the audit in records ---------------------------
 
-SWAP = "perturb={_target_:ssd.decoding.acceptance.GroupSwap,groups:{_target_:ssd.decoding.acceptance.PCGRule,group_size:3}}"
-AUDIT = "++acceptance.audit_groups={_target_:ssd.decoding.acceptance.PCGRule,group_size:3}"
+SWAP = "perturb={_target_:ssd.decoding.pcg.GroupSwap,groups:{_target_:ssd.decoding.pcg.PCGRule,group_size:3}}"
+AUDIT = "++acceptance.audit_groups={_target_:ssd.decoding.pcg.PCGRule,group_size:3}"
 
 
 def test_runs_record_group_stats_the_swap_and_the_audit(micro_world, tmp_path):
+    from ssd.evaluation.baselines import baseline_key
     from ssd.evaluation.run_dir import RESULTS_FILE, read_records
-    from ssd.evaluation.runner import baseline_key, evaluate
+    from ssd.evaluation.runner import evaluate
     from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 
     def cfg(*extra):

@@ -144,11 +144,10 @@ def test_eos_test_rejects_every_other_mode(law, procedure):
 def test_speculative_decoding_is_exact_under_each_eos_mode(mode):
     """Two stop tokens, min_len 2, CosyVoice's nucleus + RAS: speculative decoding reproduces the enumerated
     joint law of the first three tokens; its samples fail the law of another mode (negative control)."""
-    from engine_models import trigram_pair
+    from engine_models import speculative, trigram_pair
     from test_llasa_law import joint_law, p_value
 
     from ssd.decoding.acceptance import ExactRule
-    from ssd.decoding.generate import decode_speculative
 
     vocab, prompt, n_seq = 6, torch.tensor([[1, 2]]), 20_000
     target, draft = trigram_pair(vocab, seed=5, draft_noise=1.5, scale=1.5)
@@ -160,17 +159,7 @@ def test_speculative_decoding_is_exact_under_each_eos_mode(mode):
         for m in EOS_MODE_NAMES
     }
     g = torch.Generator().manual_seed(0)
-    tokens = decode_speculative(
-        target,
-        draft,
-        prompt.expand(n_seq, -1),
-        cfgs[mode],
-        ExactRule(),
-        draft_len=3,
-        max_len=3,
-        min_len=2,
-        generator=g,
-    ).tokens
+    tokens = speculative(target, draft, prompt.expand(n_seq, -1), cfgs[mode], ExactRule(), 3, 3, 2, g).tokens
     laws = {m: joint_law(target, prompt, cfg, 3, 4, min_len=2) for m, cfg in cfgs.items()}
     assert p_value(tokens, laws[mode], 3, 4) > P_REJECT
     other = {"mask": "mask_eos", "mask_eos": "mask", "resample": "resample_eos", "resample_eos": "resample"}[

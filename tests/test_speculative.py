@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from dataclasses import fields
 
 import numpy as np
 import pytest
 import torch
-from engine_models import chi_square_fit, trigram_pair
+from engine_models import StaleWindowLaw, autoregressive, chi_square_fit, speculative, trigram_pair
 
 from ssd.decoding.acceptance import ExactRule, GreedyRule, TargetOnlyRule, ToleranceRule
-from ssd.decoding.generate import AdaptiveDraftLength, decode_ar, decode_speculative
+from ssd.decoding.generate import AdaptiveDraftLength, PaddedVerify
 from ssd.decoding.sampling import SamplingConfig, distribution
+from ssd.drafters.autoregressive import AutoregressiveDrafter, AutoregressiveSession
 
 P_REJECT = 1e-3
 N_SEQ = 20_000
@@ -65,14 +67,12 @@ def p_value(samples: list[list[int]], law: dict[tuple, float]) -> float:
     return chi_square(samples, law)[2]
 
 
-def spec_samples(cfg, rule, draft_len, seed=0, draft_sampling=None, max_len=3, **seams):
+def spec_samples(cfg, rule, draft_len, seed=0, max_len=3, drafter=None):
     target, draft = trigram_pair(VOCAB, seed=2, draft_noise=1.5)
+    drafter = drafter(draft) if drafter else None
     g = torch.Generator().manual_seed(seed)
-    result = decode_speculative(
-        target, draft, PROMPT.expand(N_SEQ, -1), cfg, rule,
-        draft_len=draft_len, max_len=max_len, min_len=MIN_LEN, generator=g, draft_sampling=draft_sampling, **seams,
-    )  # fmt: skip
-    return result.tokens
+    return speculative(target, draft, PROMPT.expand(N_SEQ, -1), cfg, rule, draft_len, max_len, MIN_LEN, g,
+                       drafter=drafter).tokens  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,7 @@ CONFIGS = {"plain": PLAIN, "ras": RAS}
 def test_ar_sampler_matches_enumerated_law(laws, name):
     target, _ = trigram_pair(VOCAB, seed=2, draft_noise=1.5)
     g = torch.Generator().manual_seed(1)
-    result = decode_ar(
-        target, PROMPT.expand(N_SEQ, -1), CONFIGS[name], max_len=3, min_len=MIN_LEN, generator=g
-    )
+    result = autoregressive(target, PROMPT.expand(N_SEQ, -1), CONFIGS[name], 3, MIN_LEN, g)
     assert p_value(result.tokens, laws[name]) > P_REJECT
 
 
@@ -107,7 +105,7 @@ def test_speculative_and_ar_samples_agree_two_sample(laws):
 
     target, _ = trigram_pair(VOCAB, seed=2, draft_noise=1.5)
     g = torch.Generator().manual_seed(5)
-    ar = decode_ar(target, PROMPT.expand(N_SEQ, -1), RAS, max_len=3, min_len=MIN_LEN, generator=g).tokens
+    ar = autoregressive(target, PROMPT.expand(N_SEQ, -1), RAS, 3, MIN_LEN, g).tokens
     spec = spec_samples(RAS, ExactRule(), 3, seed=6)
     counts = [Counter(map(outcome, group)) for group in (ar, spec)]
     keys = sorted(set(counts[0]) | set(counts[1]))
@@ -139,10 +137,8 @@ def test_broken_rules_are_rejected(laws, rule):
 
 
 def test_ras_window_without_draft_tokens_is_rejected(laws):
-    def stale_windows(last_window, draft_tokens, window):
-        return last_window.unsqueeze(1).expand(-1, draft_tokens.shape[1] + 1, -1)
-
-    assert p_value(spec_samples(RAS, ExactRule(), 3, history_windows=stale_windows), laws["ras"]) < P_REJECT
+    stale = StaleWindowLaw(**{f.name: getattr(RAS, f.name) for f in fields(RAS)})
+    assert p_value(spec_samples(stale, ExactRule(), 3), laws["ras"]) < P_REJECT
 
 
 def test_plain_top_k_verifier_is_not_exact_against_ras(laws):
@@ -151,21 +147,43 @@ def test_plain_top_k_verifier_is_not_exact_against_ras(laws):
     assert p_value(spec_samples(no_ras, ExactRule(), 3), laws["ras"]) < P_REJECT
 
 
-def test_greedy_draft_with_softmax_p_is_rejected(laws):
-    def greedy_token_softmax_law(cfg, logits, window, step, min_len, generator):
-        law = distribution(cfg, logits.float(), window, step, min_len)
-        return law.argmax(-1), law  # picks argmax but claims to have sampled from law
+class GreedySession(AutoregressiveSession):
+    """Proposes the argmax of its law; `honest` reports the one-hot law it really drew from, otherwise it claims
+    the law itself (the broken drafter)."""
 
-    assert (
-        p_value(spec_samples(PLAIN, ExactRule(), 2, propose=greedy_token_softmax_law), laws["plain"])
-        < P_REJECT
-    )
+    honest = False
+
+    def propose(self, k, draw):
+        def argmax(logits, earlier):
+            _, law = draw(logits, earlier)
+            token = law.argmax(-1)
+            return token, torch.nn.functional.one_hot(token, law.shape[-1]).to(
+                law.dtype
+            ) if self.honest else law
+
+        return super().propose(k, argmax)
+
+
+class GreedyDrafter(AutoregressiveDrafter):
+    honest = False
+
+    def start(self, prompt, first, features, room):
+        session = GreedySession(self.model, prompt, first, room)
+        session.honest = self.honest
+        return session
+
+
+class HonestGreedyDrafter(GreedyDrafter):
+    honest = True
+
+
+def test_greedy_draft_with_softmax_p_is_rejected(laws):
+    assert p_value(spec_samples(PLAIN, ExactRule(), 2, drafter=GreedyDrafter), laws["plain"]) < P_REJECT
 
 
 def test_greedy_draft_with_its_true_law_is_exact(laws):
     """The fix for the control above: a greedy draft verified with its one-hot law."""
-    greedy = SamplingConfig(temperature=0, stop_tokens=(EOS,))
-    assert p_value(spec_samples(PLAIN, ExactRule(), 2, draft_sampling=greedy), laws["plain"]) > P_REJECT
+    assert p_value(spec_samples(PLAIN, ExactRule(), 2, drafter=HonestGreedyDrafter), laws["plain"]) > P_REJECT
 
 
 # ---- deterministic behaviour --------------------------------------------------------------------
@@ -178,10 +196,8 @@ GREEDY = SamplingConfig(temperature=0, stop_tokens=(EOS,))
 def test_greedy_speculative_equals_greedy_ar(draft_len, rule):
     target, draft = trigram_pair(VOCAB, seed=9, draft_noise=2.0)
     prompts = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
-    ar = decode_ar(target, prompts, GREEDY, max_len=30, min_len=3)
-    spec = decode_speculative(
-        target, draft, prompts, GREEDY, rule(), draft_len=draft_len, max_len=30, min_len=3
-    )
+    ar = autoregressive(target, prompts, GREEDY, 30, 3)
+    spec = speculative(target, draft, prompts, GREEDY, rule(), draft_len, 30, 3)
     assert spec.tokens == ar.tokens
     assert spec.finish_reason == ar.finish_reason
     assert 0 < spec.stats.acceptance_rate < 1  # rows accepted different amounts
@@ -190,30 +206,17 @@ def test_greedy_speculative_equals_greedy_ar(draft_len, rule):
 def test_rows_in_a_batch_decode_as_if_alone():
     target, draft = trigram_pair(VOCAB, seed=4, draft_noise=2.0)
     prompts = torch.tensor([[0, 1], [2, 2], [3, 0], [1, 1]])
-    batch = decode_speculative(target, draft, prompts, GREEDY, GreedyRule(), draft_len=3, max_len=25)
+    batch = speculative(target, draft, prompts, GREEDY, GreedyRule(), 3, 25)
     for i in range(len(prompts)):
-        alone = decode_speculative(
-            target, draft, prompts[i : i + 1], GREEDY, GreedyRule(), draft_len=3, max_len=25
-        )
+        alone = speculative(target, draft, prompts[i : i + 1], GREEDY, GreedyRule(), 3, 25)
         assert alone.tokens[0] == batch.tokens[i]
 
 
 def test_seeded_runs_reproduce_exactly():
     target, draft = trigram_pair(VOCAB, seed=4)
     prompts = PROMPT.expand(8, -1)
-    runs = [
-        decode_speculative(
-            target,
-            draft,
-            prompts,
-            RAS,
-            ExactRule(),
-            draft_len=3,
-            max_len=40,
-            generator=torch.Generator().manual_seed(7),
-        ).tokens
-        for _ in range(2)
-    ]
+    runs = [speculative(target, draft, prompts, RAS, ExactRule(), 3, 40, 0, torch.Generator().manual_seed(7)).tokens
+            for _ in range(2)]  # fmt: skip
     assert runs[0] == runs[1]
 
 
@@ -221,22 +224,12 @@ def test_stop_token_mid_block_ends_the_sequence_and_nothing_leaks():
     """Target and draft agree (draft == target): whole blocks are accepted, EOS included."""
     target, _ = trigram_pair(VOCAB, seed=3)
     g = torch.Generator().manual_seed(0)
-    result = decode_speculative(
-        target,
-        target,
-        PROMPT.expand(500, -1),
-        PLAIN,
-        ExactRule(),
-        draft_len=5,
-        max_len=50,
-        min_len=2,
-        generator=g,
-    )
+    result = speculative(target, target, PROMPT.expand(500, -1), PLAIN, ExactRule(), 5, 50, 2, g)
     assert result.stats.acceptance_rate == 1.0
     assert all(EOS not in t for t in result.tokens)
     stopped = [t for t, r in zip(result.tokens, result.finish_reason) if r == "stop"]
     assert len(stopped) > 400 and min(map(len, stopped)) >= 2  # min_len respected
-    ar = decode_ar(target, PROMPT.expand(500, -1), PLAIN, max_len=50, min_len=2, generator=g)
+    ar = autoregressive(target, PROMPT.expand(500, -1), PLAIN, 50, 2, g)
     # Same length distribution as AR (EOS ends both at the same law).
     assert abs(np.mean([len(t) for t in result.tokens]) - np.mean([len(t) for t in ar.tokens])) < 0.5
 
@@ -245,44 +238,34 @@ def test_stop_token_mid_block_ends_the_sequence_and_nothing_leaks():
 def test_max_len_is_respected_exactly(max_len):
     target, _ = trigram_pair(VOCAB, seed=3)
     no_stop = SamplingConfig()
-    result = decode_speculative(
-        target, target, PROMPT.expand(16, -1), no_stop, ExactRule(), draft_len=4, max_len=max_len,
-        generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    result = speculative(target, target, PROMPT.expand(16, -1), no_stop, ExactRule(), 4, max_len, 0,
+                         torch.Generator().manual_seed(0))  # fmt: skip
     assert all(len(t) == max_len for t in result.tokens)
     assert set(result.finish_reason) == {"max_len"}
 
 
 def test_per_row_length_limits():
     target, draft = trigram_pair(VOCAB, seed=3)
-    result = decode_speculative(
-        target, draft, PROMPT.expand(3, -1), SamplingConfig(), ExactRule(), draft_len=3,
-        max_len=torch.tensor([2, 7, 11]), generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    result = speculative(target, draft, PROMPT.expand(3, -1), SamplingConfig(), ExactRule(), 3,
+                         torch.tensor([2, 7, 11]), 0, torch.Generator().manual_seed(0))  # fmt: skip
     assert [len(t) for t in result.tokens] == [2, 7, 11]
 
 
 def test_adaptive_draft_length_moves_with_acceptance():
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=0.0)  # draft == target: all accepted
-    result = decode_speculative(
-        target, draft, PROMPT, SamplingConfig(), ExactRule(), draft_len=2, max_len=60,
-        adaptive=AdaptiveDraftLength(min_len=1, max_len=8), generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    result = speculative(target, draft, PROMPT, SamplingConfig(), ExactRule(), AdaptiveDraftLength(2, 1, 8), 60,
+                         0, torch.Generator().manual_seed(0))  # fmt: skip
     assert result.stats.draft_len_per_round[:4] == [2, 4, 6, 8]
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=6.0)  # bad draft: shrinks
-    result = decode_speculative(
-        target, draft, PROMPT, SamplingConfig(), ExactRule(), draft_len=5, max_len=60,
-        adaptive=AdaptiveDraftLength(min_len=1, max_len=8), generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    result = speculative(target, draft, PROMPT, SamplingConfig(), ExactRule(), AdaptiveDraftLength(5, 1, 8), 60,
+                         0, torch.Generator().manual_seed(0))  # fmt: skip
     assert min(result.stats.draft_len_per_round) == 1
 
 
 def test_statistics_are_consistent():
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=1.0)
-    result = decode_speculative(
-        target, draft, PROMPT.expand(64, -1), SamplingConfig(), ToleranceRule(0.3), draft_len=3, max_len=40,
-        generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    result = speculative(target, draft, PROMPT.expand(64, -1), SamplingConfig(), ToleranceRule(0.3), 3, 40, 0,
+                         torch.Generator().manual_seed(0))  # fmt: skip
     s = result.stats
     assert s.tokens == sum(map(len, result.tokens)) == 64 * 40
     assert s.target_calls == s.rounds and s.draft_calls == 3 * s.rounds
@@ -295,10 +278,8 @@ def test_statistics_are_consistent():
 def test_measured_acceptance_matches_the_overlap_it_estimates():
     """For the exact rule P(accept) = E[Σ min(p, q)]: the logged β_t predicts the measured α."""
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=1.0)
-    s = decode_speculative(
-        target, draft, PROMPT.expand(256, -1), SamplingConfig(), ExactRule(), draft_len=3, max_len=40,
-        generator=torch.Generator().manual_seed(0),
-    ).stats  # fmt: skip
+    s = speculative(target, draft, PROMPT.expand(256, -1), SamplingConfig(), ExactRule(), 3, 40, 0,
+                    torch.Generator().manual_seed(0)).stats  # fmt: skip
     assert s.tv_per_position == [0.0, 0.0, 0.0]  # exact rules are not tracked
     for measured, predicted, n in zip(s.alpha_per_position, s.overlap_per_position, s.proposed):
         assert abs(measured - predicted) < 4 * (0.25 / n) ** 0.5
@@ -308,10 +289,8 @@ def test_measured_acceptance_matches_the_overlap_it_estimates():
 def test_padded_verification_changes_nothing_but_the_cost(verify_rows):
     target, draft = trigram_pair(VOCAB, seed=3)
     runs = [
-        decode_speculative(
-            target, draft, PROMPT.expand(32, -1), RAS, ExactRule(), draft_len=3, max_len=30, min_len=2,
-            generator=torch.Generator().manual_seed(0), verify_rows=rows,
-        ).tokens
-        for rows in (None, verify_rows)
+        speculative(model, draft, PROMPT.expand(32, -1), RAS, ExactRule(), 3, 30, 2, torch.Generator().manual_seed(0)
+                    ).tokens
+        for model in (target, PaddedVerify(target, verify_rows))
     ]  # fmt: skip
     assert runs[0] == runs[1]

@@ -91,5 +91,20 @@ class RowRandom:
 
     def uniform(self, n: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[B, n] uniform in [0, 1), with as many random bits as `dtype` holds (24 or 53)."""
-        mantissa = 53 if dtype == torch.float64 else 24
-        return _shift_right(self.bits(n), 64 - mantissa).to(dtype) / float(1 << mantissa)
+        return _uniform(self.bits(n), dtype)
+
+    def uniforms(self, *spec: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+        """uniform(n, dtype) for each (n, dtype) of `spec`, the same numbers as successive calls, drawn at once
+        (a rule that needs many small draws a round pays for the mixing once)."""
+        bits = self.bits(sum(n for n, _ in spec))
+        converted = {dtype: _uniform(bits, dtype) for dtype in {dtype for _, dtype in spec}}
+        out, start = [], 0
+        for n, dtype in spec:
+            out.append(converted[dtype][:, start : start + n])
+            start += n
+        return out
+
+
+def _uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mantissa = 53 if dtype == torch.float64 else 24
+    return _shift_right(bits, 64 - mantissa).to(dtype) / float(1 << mantissa)

@@ -117,6 +117,15 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def windows(self, last_window: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """The history windows [B, k+1, W] of draft positions 0..k, from the emitted history [B, W]: position
+        i sees it extended by the draft tokens x_<i of its round (drafted [B, k]), since the law at i is a
+        function of them (RAS's window, the repetition penalty's context)."""
+        width = last_window.shape[1]
+        if width == 0:
+            return last_window.new_empty(last_window.shape[0], drafted.shape[1] + 1, 0)
+        return torch.cat([last_window, drafted], dim=1).unfold(1, width, 1)
+
 
 def distribution(
     cfg: SamplingConfig,
@@ -240,9 +249,14 @@ def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = 
     other rows; a torch.Generator (or None) seeds fresh row streams. Rows need not sum to 1.
     """
     rows = RowRandom.of(generator, probs.shape[0], probs.device)
-    u = rows.uniform(1, dtype=probs.dtype)
+    return inverse_cdf(probs, rows.uniform(1, dtype=probs.dtype)).squeeze(-1)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The tokens [N, T] at which uniforms u [N, T] fall in each row's CDF of probs [N, V] (rows need not sum
+    to 1); never a token past the last one with mass."""
     cdf = probs.cumsum(-1)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     # u * total can round up to total: never step past the last token that has mass.
     last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
-    return torch.minimum(token, last_with_mass)
+    return torch.minimum(token, last_with_mass.unsqueeze(-1))

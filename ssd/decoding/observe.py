@@ -1,0 +1,298 @@
+"""What a decode reports beyond its tokens: phase times, acceptance tallies, β_t overlaps, the exact TV drift
+of inexact rules and the β audit. All of it lives in one observer handed to the loop; the loops themselves
+only call its hooks, and without an observer (`Observer()`, the default) a decode computes none of it.
+
+`Instruments` keeps its counts on the device and reads them once, at the end; its diagnostics (overlap, TV,
+audit) run after the round's accept phase and are timed apart (`time_diagnostics`), so the phase times are
+what a deployment pays.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ssd.contracts import AuditedRule, ExplicitLawRule
+
+PHASES = ("prefill", "draft", "verify", "accept", "diagnostics")
+
+
+@dataclass
+class DecodeStats:
+    """What a decode did, summed over rows. Counts only rows that were still generating.
+
+    tv_sum is None when TV was not computed (an inexact rule without diagnostics); it is 0 for a rule
+    that preserves the target law (known, not computed). overlap_sum is None without diagnostics.
+    draft_calls counts drafted positions (the model calls of an autoregressive drafter).
+    """
+
+    rounds: int = 0
+    target_calls: int = 0  # forward passes after prefill
+    draft_calls: int = 0
+    tokens: int = 0  # emitted tokens (stop tokens not counted)
+    proposed: list[int] = field(default_factory=list)  # [position] rows that reached draft position i
+    accepted: list[int] = field(default_factory=list)  # [position] rows that kept draft token i
+    overlap_sum: list[float] | None = field(default_factory=list)  # [position] Σ_t Σ_x min(p_t, q_t)
+    tv_sum: list[float] | None = field(default_factory=list)  # [position] Σ_t TV(rule's output law, q_t)
+    accepted_per_round: list[list[int]] = field(default_factory=list)  # [round] kept per active row
+    draft_len_per_round: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_accept: float = 0.0
+    time_diagnostics: float = 0.0  # overlap, TV and audit bookkeeping: not part of time_total
+
+    @property
+    def time_total(self) -> float:
+        """The decode's time as a deployment runs it (diagnostics excluded)."""
+        return self.time_prefill + self.time_draft + self.time_verify + self.time_accept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (positions reached)."""
+        return sum(self.accepted) / max(1, sum(self.proposed))
+
+    @property
+    def alpha_per_position(self) -> list[float]:
+        """P(draft token i kept | tokens before it kept)."""
+        return _per_position(self.accepted, self.proposed)
+
+    @property
+    def overlap_per_position(self) -> list[float]:
+        """Mean β_t = Σ_x min(p_t, q_t) at each position (no sampling noise); NaN where not computed."""
+        return _per_position(self.overlap_sum, self.proposed)
+
+    @property
+    def tv_per_position(self) -> list[float]:
+        """Mean TV(output law, q_t) at each position; NaN where not computed."""
+        return _per_position(self.tv_sum, self.proposed)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean number of draft tokens kept per round and row."""
+        rows = [n for r in self.accepted_per_round for n in r]
+        return sum(rows) / max(1, len(rows))
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.tokens / max(1, self.target_calls)
+
+
+def _per_position(sums: list[float] | None, proposed: list[int]) -> list[float]:
+    if sums is None:
+        return [float("nan")] * len(proposed)
+    return [s / p if p else float("nan") for s, p in zip(sums, proposed)]
+
+
+class Observer:
+    """The hooks a decode calls; this base observes nothing and costs nothing."""
+
+    def begin(self, device: torch.device, positions: int = 0) -> None:
+        """Before prefill (the clock starts here); `positions`: the most draft positions a round will have."""
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap belongs to `phase` (one of PHASES)."""
+
+    def verifier(self, rule: Any) -> Any:
+        """The verify the loop calls: the rule's own, or one that also keeps what a diagnostic needs."""
+        return rule.verify
+
+    def step(self, active: torch.Tensor) -> None:
+        """An autoregressive step of the rows `active` [B] (bool)."""
+
+    def round(self, k: int, xs: torch.Tensor, ps: torch.Tensor, qs: torch.Tensor, n_acc: torch.Tensor,
+              active: torch.Tensor) -> None:  # fmt: skip
+        """A speculative round: k drafted, n_acc [B] kept (0 for inactive rows), after its accept phase."""
+
+    def result(self, counts: list[int]) -> tuple[DecodeStats | None, list[dict]]:
+        """(batch stats, one dict per row) at the end, from the rows' emitted token counts."""
+        return None, []
+
+
+class _Clock:
+    """Phase timer without host syncs: CUDA events on GPU (read once, in `totals`), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.laps: list[tuple[str, Any]] = []
+        self.start = self._mark()
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, phase: str) -> None:
+        self.laps.append((phase, self._mark()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase (one CUDA sync)."""
+        if self.cuda and self.laps:
+            self.laps[-1][1].synchronize()
+        totals: dict[str, float] = {}
+        previous = self.start
+        for phase, mark in self.laps:
+            elapsed = previous.elapsed_time(mark) / 1000 if self.cuda else mark - previous
+            totals[phase] = totals.get(phase, 0.0) + elapsed
+            previous = mark
+        return totals
+
+
+class Instruments(Observer):
+    """Phase times, per-row tallies and (with `diagnostics`) β_t overlaps, TV drift and the β audit.
+
+    diagnostics: compute β_t = Σ_x min(p_t, q_t) at every verified position and (see track_tv) the exact TV of
+        the rule's output law to q, and run the β audit of a rule that `audits_acceptance`; timed apart.
+    track_tv: log the exact per-step TV (default: on for rules that do not preserve q and whose output law is
+        cheap, e.g. tolerance β > 0, greedy). Untracked TV is None, or 0 for a rule that preserves the law.
+    """
+
+    def __init__(self, diagnostics: bool = True, track_tv: bool | None = None):
+        if track_tv and not diagnostics:
+            raise ValueError("track_tv=True needs diagnostics=True (TV is a diagnostic): drop one of them")
+        self.diagnostics, self.track_tv = diagnostics, track_tv
+        self.clock: _Clock | None = None
+        self.positions = 0
+        self.rule: Any = None
+        self.calls: list[torch.Tensor] = []  # AR: the rows active at each step
+        self.rounds: list[tuple[int, torch.Tensor]] = []  # (k, n accepted per row, -1 where finished)
+        self.proposed = self.accepted = self.overlap = self.tv = None
+        self.audits: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # per round: (fields [B, k, F], kept [B, k])
+        self._uniforms: torch.Tensor | None = None
+
+    def begin(self, device: torch.device, positions: int = 0) -> None:
+        self.clock, self.positions = _Clock(device), positions
+
+    def lap(self, phase: str) -> None:
+        self.clock.lap(phase)
+
+    def verifier(self, rule: Any) -> Any:
+        self.rule = rule
+        if self.track_tv is None:
+            self.track_tv = (not rule.preserves_target_law and isinstance(rule, ExplicitLawRule)
+                             and rule.cheap_output_law)  # fmt: skip
+        self.track_tv = bool(self.track_tv and self.diagnostics)
+        if not (self.diagnostics and isinstance(rule, AuditedRule) and rule.audits_acceptance):
+            return rule.verify
+
+        def verify_and_keep_uniforms(p, q, x, generator=None):
+            n_acc, next_token, self._uniforms = rule.verify_draws(p, q, x, generator)
+            return n_acc, next_token
+
+        return verify_and_keep_uniforms
+
+    def step(self, active: torch.Tensor) -> None:
+        self.calls.append(active.clone())
+
+    def round(self, k, xs, ps, qs, n_acc, active) -> None:
+        batch, device = n_acc.shape[0], n_acc.device
+        if self.proposed is None:
+            self.proposed = torch.zeros(batch, self.positions, dtype=torch.long, device=device)
+            self.accepted = self.proposed.clone()
+            zeros = torch.zeros(batch, self.positions, dtype=torch.float64, device=device)
+            self.overlap = zeros.clone() if self.diagnostics else None
+            self.tv = zeros.clone() if self.track_tv else None
+        self._widen(k)
+        pos = torch.arange(k, device=device)
+        reached = (pos <= n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
+        kept = (pos < n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
+        self.proposed[:, :k] += reached
+        self.accepted[:, :k] += kept
+        self.rounds.append((k, torch.where(active, n_acc, -1)))
+        if not self.diagnostics:
+            return
+        q = qs[:, :k]
+        self.overlap[:, :k] += torch.where(reached, torch.minimum(ps, q).sum(-1).double(), 0.0)
+        if self.tv is not None:
+            tv = 0.5 * (self.rule.output_law(ps, q) - q).abs().sum(-1)
+            self.tv[:, :k] += torch.where(reached, tv.double(), 0.0)
+        if self._uniforms is not None:
+            self.audits.append((self.rule.audit(ps, q, xs, self._uniforms), kept))
+        self.lap("diagnostics")
+
+    def _widen(self, k: int) -> None:
+        """Grow the per-position tallies to k positions (adaptive draft lengths)."""
+        extra = k - self.proposed.shape[1]
+        if extra > 0:
+            pad = torch.nn.functional.pad
+            self.proposed, self.accepted = pad(self.proposed, (0, extra)), pad(self.accepted, (0, extra))
+            self.overlap = None if self.overlap is None else pad(self.overlap, (0, extra))
+            self.tv = None if self.tv is None else pad(self.tv, (0, extra))
+
+    # --- the end: one read of everything ----------------------------------------------------------------
+    def result(self, counts: list[int]) -> tuple[DecodeStats, list[dict]]:
+        stats = DecodeStats(tokens=sum(counts))
+        for phase, seconds in self.clock.totals().items():
+            setattr(stats, f"time_{phase}", seconds)
+        if self.proposed is None:
+            rows = self._ar_rows(counts)
+            stats.target_calls = len(self.calls)
+        else:
+            per_round = torch.stack([n for _, n in self.rounds], 1).tolist()  # [row][round], -1: finished
+            rows = self._speculative_rows(counts, per_round)
+            stats.rounds = stats.target_calls = len(self.rounds)
+            stats.draft_len_per_round = [k for k, _ in self.rounds]
+            stats.draft_calls = sum(stats.draft_len_per_round)
+            stats.accepted_per_round = [[n for n in r if n >= 0] for r in zip(*per_round)]
+
+        def total(key):
+            if any(row[key] is None for row in rows):
+                return None
+            return [sum(values) for values in zip(*(row[key] for row in rows))]
+
+        stats.proposed, stats.accepted = total("proposed"), total("accepted")
+        stats.overlap_sum, stats.tv_sum = total("overlap_sum"), total("tv_sum")
+        return stats, rows
+
+    def _ar_rows(self, counts: list[int]) -> list[dict]:
+        calls = torch.stack(self.calls).sum(0).tolist() if self.calls else [0] * len(counts)
+        return [
+            {"rounds": 0, "target_calls": c, "draft_calls": 0, "tokens": n, "proposed": [], "accepted": [],
+             "overlap_sum": [], "tv_sum": [], "accepted_per_round": [], "draft_len_per_round": []}
+            for c, n in zip(calls, counts)
+        ]  # fmt: skip
+
+    def _speculative_rows(self, counts: list[int], per_round: list[list[int]]) -> list[dict]:
+        """One dict per row (the DecodeResult.rows contract); the only device reads of the tallies."""
+        draft_len = [k for k, _ in self.rounds]
+        proposed, accepted = self.proposed.tolist(), self.accepted.tolist()
+        width = self.proposed.shape[1]
+        overlap = self.overlap.tolist() if self.overlap is not None else [None] * len(counts)
+        if self.tv is not None:
+            tv = self.tv.tolist()
+        else:
+            tv = [[0.0] * width if self.rule.preserves_target_law else None for _ in counts]
+        audits = self._audit_rows(len(counts), width)
+        rows = []
+        for b, n_tokens in enumerate(counts):
+            live = [r for r, n in enumerate(per_round[b]) if n >= 0]
+            rows.append({
+                "rounds": len(live), "target_calls": len(live), "draft_calls": sum(draft_len[r] for r in live),
+                "tokens": n_tokens, "proposed": proposed[b], "accepted": accepted[b], "overlap_sum": overlap[b],
+                "tv_sum": tv[b], "accepted_per_round": [per_round[b][r] for r in live],
+                "draft_len_per_round": [draft_len[r] for r in live],
+            })  # fmt: skip
+            if audits[b] is not None:
+                rows[-1]["beta_audit"] = audits[b]
+        return rows
+
+    def _audit_rows(self, batch: int, width: int) -> list[dict | None]:
+        """Per row: {field: [value per kept draft token, in order]} (one device read), or None without audit."""
+        if not self.audits:
+            return [None] * batch
+        pad = torch.nn.functional.pad
+        fields = torch.stack([pad(f, (0, 0, 0, width - f.shape[1])) for f, _ in self.audits], 1).cpu()
+        kept = torch.stack([pad(m, (0, width - m.shape[1])) for _, m in self.audits], 1).cpu()
+        names = self.rule.audit_fields
+        out = []
+        for b in range(batch):
+            values = fields[b][kept[b]]  # [n kept, F], in round then position order
+            out.append({name: values[:, i].tolist() for i, name in enumerate(names)})
+        return out

@@ -1,0 +1,349 @@
+"""PCG: principled coarse-grained acceptance (Yanuka et al. 2025, docs/algorithms.md §1.3), its groups, and the
+paper's stress test (`GroupSwap`).
+
+Groups G_v = {u : cos(e_u, e_v) > θ} over vectors e of the speech tokens, which a group source gives the rule
+at `bind` (configs/groups/): the target's speech-token input embeddings (the paper), random vectors (a
+control), or, from the toy world, its codec's mel frames or centroids (`ssd.toy_world.groups`).
+
+The groups are stored sparsely (`Groups`: every group's members in one flat list), so memory and the per-round
+work scale with the group sizes, never with V × the largest group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ssd.decoding.acceptance import AcceptanceRule, _normalize
+from ssd.decoding.rng import RowRandom
+from ssd.decoding.sampling import inverse_cdf
+from ssd.decoding.sequences import UNSETTLED
+
+
+class TargetEmbeddings:
+    """The target's speech-token input embeddings (the paper's groups)."""
+
+    name = "embedding"
+
+    def __call__(self, target) -> torch.Tensor:
+        speech = int(getattr(target, "speech_token_size", target.vocab_size))
+        return target.embed_speech(torch.arange(speech, device=target.device)).float().cpu()
+
+
+class RandomVectors:
+    """Seeded random vectors: groups of acoustically unrelated tokens (a control)."""
+
+    name = "random"
+
+    def __init__(self, dim: int = 64, seed: int = 0):
+        self.dim, self.seed = int(dim), int(seed)
+
+    def __call__(self, target) -> torch.Tensor:
+        speech = int(getattr(target, "speech_token_size", target.vocab_size))
+        return torch.randn(speech, self.dim, generator=torch.Generator().manual_seed(self.seed))
+
+
+class Groups:
+    """One group G_v per vocabulary entry v, symmetric (u ∈ G_v ⇔ v ∈ G_u) and holding v itself, so a token u
+    lies in m(u) = |G_u| groups. Stored flat: `members[offsets[v]:offsets[v + 1]]` is G_v."""
+
+    def __init__(self, offsets: torch.Tensor, members: torch.Tensor) -> None:
+        self.offsets, self.members = offsets.long(), members.long()
+        self.sizes = self.offsets.diff()  # m(u) = |G_u|
+        self.width = int(self.sizes.max())  # the largest group: fixed per rule, so gathers need no host read
+        self.group_of = torch.repeat_interleave(
+            torch.arange(len(self.sizes)), self.sizes
+        )  # group of each entry
+
+    @classmethod
+    def from_lists(cls, lists: list[torch.Tensor]) -> Groups:
+        sizes = torch.tensor([len(ids) for ids in lists])
+        return cls(
+            torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), torch.cat([torch.as_tensor(i) for i in lists])
+        )
+
+    @classmethod
+    def from_vectors(cls, vectors: torch.Tensor, theta: float, vocab: int, chunk: int = 2048) -> Groups:
+        """{u : cos(e_u, e_v) > θ} over the rows of `vectors` (speech tokens; chunked: V can be 65k); the ids
+        len(vectors)..vocab-1 (stop tokens, text ids) are each alone."""
+        e = torch.nn.functional.normalize(vectors.detach().float(), dim=-1)
+        lists = []
+        for start in range(0, len(e), chunk):
+            sim = e[start : start + chunk] @ e.T
+            sim[torch.arange(sim.shape[0]), torch.arange(start, start + sim.shape[0])] = math.inf
+            lists.extend(row.nonzero().squeeze(-1) for row in sim > theta)
+        lists.extend(torch.tensor([v]) for v in range(len(e), vocab))
+        return cls.from_lists(lists)
+
+    @classmethod
+    def blocks(cls, vocab: int, size: int) -> Groups:
+        """A partition into consecutive blocks of `size` tokens (benchmarks at vocabulary sizes where cosine
+        groups would take hours to build; every block its members' group)."""
+        starts = torch.arange(vocab) // size * size
+        sizes = (starts + size).clamp(max=vocab) - starts
+        offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+        within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(sizes)
+        return cls(offsets, starts.repeat_interleave(sizes) + within)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.sizes)
+
+    def to(self, device) -> Groups:
+        for name in ("offsets", "members", "sizes", "group_of"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def of(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [..., W], mask [..., W]): the members of the groups `groups` [...], padded to the largest group."""
+        if self.members.device != groups.device:
+            self.to(groups.device)
+        slot = torch.arange(self.width, device=groups.device)
+        mask = slot < self.sizes[groups].unsqueeze(-1)
+        index = (self.offsets[groups].unsqueeze(-1) + slot).clamp(max=len(self.members) - 1)
+        return torch.where(mask, self.members[index], 0), mask
+
+    def mass(self, law: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """P_c(v) = Σ_{u ∈ G_v} P(u)/m(u) of the groups [..., T] of each law [..., V] -> [..., T]; `law` may carry
+        extra leading dims (several laws of the same groups at once). Work: the members only, not V."""
+        ids, mask = self.of(groups)  # [..., T, W]
+        flat = ids.flatten(-2).expand(*law.shape[:-1], -1)
+        gathered = law.gather(-1, flat).unflatten(-1, ids.shape[-2:])
+        return (gathered / self.sizes[ids].to(law.dtype) * mask).sum(-1)
+
+    def law(self, law: torch.Tensor) -> torch.Tensor:
+        """The coarse law over every group [N, V] of laws [N, V]: one pass over the members (Σ|G| per row)."""
+        if self.members.device != law.device:
+            self.to(law.device)
+        split = (law / self.sizes.to(law.dtype))[:, self.members]
+        return law.new_zeros(law.shape).index_add_(1, self.group_of, split)
+
+    def dense(self, dtype=torch.float64) -> torch.Tensor:
+        """[groups, tokens] 0/1 membership (small vocabularies only: the certificates)."""
+        out = torch.zeros(self.vocab_size, self.vocab_size, dtype=dtype, device=self.members.device)
+        out[self.group_of, self.members] = 1
+        return out
+
+
+class PCGRule(AcceptanceRule):
+    """Principled coarse-grained acceptance (Yanuka et al. 2025, docs/algorithms.md §1.3).
+
+    Groups G_v = {u : cos(e_u, e_v) > θ} over vectors e of the speech tokens (`source`, see the module doc).
+    θ is an absolute cosine (the paper's knob), or it is resolved per target from a requested mean group size
+    (`group_size`): cosine scales differ between embedding spaces, so one θ means singletons on one target and
+    huge groups on another. Stop tokens (head ids >= the target's speech_token_size) are always alone.
+
+    Token u lies in m(u) = |G_u| groups and gives each of them P(u)/m(u). Draft token x ~ P, group label v
+    uniform in G_x (so v ~ P_c); accept with min(1, Q_c(v)/P_c(v)) and keep x. On rejection draw v from
+    normalize(max(0, Q_c - P_c)) by thinning: `thinning_trials` proposals v ~ Q_c at once (u ~ Q, v uniform in
+    G_u), the first kept with probability max(0, 1 - P_c(v)/Q_c(v)). The emitted token is then drawn inside G_v
+    from Q's mass split, Q(u)/m(u) normalised over G_v. A row whose trials all failed (rare: the residual has
+    little mass there) is left UNSETTLED, and `settle` draws its group from the enumerated residual after the
+    round's host sync, with numbers `verify` drew for every row, so the work and the draws of a row never
+    depend on the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
+    """
+
+    name = "pcg"
+    preserves_target_law = False  # the GROUP law is Q_c's; the token law is not q
+    cheap_output_law = False  # needs the dense [groups, tokens] membership
+
+    def __init__(self, theta: float = 0.4, group_size: float | None = None, source: Any = None,
+                 thinning_trials: int = 16, vectors: torch.Tensor | None = None):  # fmt: skip
+        """theta: the cosine threshold; group_size: a mean group size over the speech tokens (>= 1) instead,
+        resolved to a θ when the groups are built (the resolved one labels the run).
+        source: where the token vectors come from, a callable target -> [speech tokens, H] with a `name`
+        (configs/groups/: the target's speech embeddings, the paper's choice, by default; random vectors;
+        the toy codec's mel frames or centroids in `ssd.toy_world.groups`); vectors [V, H]: the vectors
+        themselves (every id a speech token), groups built now instead of at `bind`."""
+        if group_size is not None and not group_size >= 1:
+            raise ValueError(
+                f"acceptance.group_size={group_size}: a mean group size is >= 1 (1 = every token alone, exact "
+                "decoding); or set acceptance.group_size=null and give theta"
+            )
+        if thinning_trials < 1:
+            raise ValueError(f"acceptance.thinning_trials={thinning_trials} must be >= 1")
+        self.theta = float(theta)
+        self.group_size = None if group_size is None else float(group_size)
+        self.source = source if source is not None else TargetEmbeddings()
+        self.thinning_trials = int(thinning_trials)
+        self.groups: Groups | None = None
+        if vectors is not None:
+            self.build_groups(vectors, len(vectors))
+
+    def labels(self) -> dict[str, Any]:
+        return {"theta": self.theta, "group_size": self.group_size, "source": self.source.name}
+
+    def build_groups(self, vectors: torch.Tensor, vocab: int) -> PCGRule:
+        """Groups over the first len(vectors) ids (speech tokens); ids up to `vocab` are singletons."""
+        if self.group_size is not None:
+            self.theta = theta_for_mean_group_size(vectors, self.group_size)
+        self.groups = Groups.from_vectors(vectors, self.theta, vocab)
+        self.speech_tokens = len(vectors)
+        return self
+
+    def bind(self, target) -> PCGRule:
+        if self.groups is None:
+            with torch.no_grad():
+                self.build_groups(self.source(target), target.vocab_size)
+        return self
+
+    def group_stats(self) -> dict[str, float]:
+        """Mean / median group size and singleton fraction over the speech tokens, and the θ in use."""
+        sizes = self.groups.sizes[: self.speech_tokens].float()
+        return {
+            "group_mean_size": float(sizes.mean()),
+            "group_median_size": float(sizes.median()),
+            "group_singleton_fraction": float((sizes == 1).float().mean()),
+            "group_theta": self.theta,
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self.groups.vocab_size
+
+    def members(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [..., W], mask [..., W]): the members of the groups G_v for group ids v [...], padded."""
+        return self.groups.of(groups)
+
+    # --- verification -------------------------------------------------------------------------------
+    def verify(self, p, q, x, generator=None):
+        """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 4
+        numbers per row (T = thinning_trials), whatever the verdicts."""
+        batch, k = x.shape
+        generator = RowRandom.of(generator, batch, x.device)
+        tiny, trials, f32 = torch.finfo(q.dtype).tiny, self.thinning_trials, torch.float32
+        u_label, u_accept, u_bonus, u_propose, u_member, u_keep, u_token, u_settle = generator.uniforms(
+            (k, f32), (k, q.dtype), (1, q.dtype), (trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
+            (2, q.dtype))  # fmt: skip
+        labels = self._uniform_member(x, u_label)  # [B, k], ~ P_c at each position
+        pc, qc = self.groups.mass(torch.stack([p, q[:, :k]]), labels[..., None])[..., 0]
+        accept = (qc / pc.clamp_min(tiny)).clamp(max=1.0)
+        n_acc = (u_accept < accept).long().cumprod(-1).sum(-1)
+        rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
+        p_at, q_at = p[rows, pos], q[rows, pos]  # the laws at the first rejected position
+        bonus = inverse_cdf(q[:, k], u_bonus)[:, 0]
+        # Thinning: T proposals v ~ Q_c at once, the first kept with probability (1 - P_c(v)/Q_c(v))^+.
+        proposed = self._uniform_member(inverse_cdf(q_at, u_propose), u_member)
+        q_mass, p_mass = self.groups.mass(torch.stack([q_at, p_at]), proposed)
+        kept = u_keep < (1 - p_mass / q_mass.clamp_min(tiny)).clamp_min(0)
+        group = proposed[rows, kept.float().argmax(-1)]
+        token = self._token_in_group(q_at, group, u_token)
+        self._pending = (p_at, q_at, u_settle, group)  # what `settle` reads
+        thinned = torch.where(kept.any(-1), token, UNSETTLED)
+        self._first_group = torch.where(n_acc == 0, torch.where(kept.any(-1), group, UNSETTLED), labels[:, 0])
+        return n_acc, torch.where(n_acc < k, thinned, bonus)
+
+    def settle(self, next_token: torch.Tensor) -> torch.Tensor:
+        """Finish the UNSETTLED rows of the last `verify`: their group from the enumerated residual
+        normalize(max(0, Q_c - P_c)) over every group (Σ|G| work per such row), their token inside it; the draws
+        are the two numbers verify kept for each row."""
+        rows = (next_token == UNSETTLED).nonzero().squeeze(-1)  # a host read: only after the sync saw some
+        p_at, q_at, u, group = self._pending
+        residual = (self.groups.law(q_at[rows]) - self.groups.law(p_at[rows])).clamp_min(0)
+        settled = inverse_cdf(residual, u[rows, :1])[:, 0]
+        out = next_token.clone()
+        out[rows] = self._token_in_group(q_at[rows], settled, u[rows, 1:])
+        self._first_group = torch.where(self._first_group == UNSETTLED, group.index_put((rows,), settled),
+                                        self._first_group)  # fmt: skip
+        return out
+
+    def verify_groups(self, p, q, x, generator=None):
+        """verify(), settled, plus the group label [B] emitted at the first draft position (certificates)."""
+        n_acc, next_token = self.verify(p, q, x, generator)
+        if bool((next_token == UNSETTLED).any()):
+            next_token = self.settle(next_token)
+        return n_acc, next_token, self._first_group
+
+    def _uniform_member(self, tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """A group label chosen uniformly (by uniforms u, tokens' shape) among the groups holding each token."""
+        ids, _ = self.groups.of(tokens)
+        size = self.groups.sizes[tokens]
+        slot = (u.reshape(tokens.shape) * size).long().clamp(max=size - 1)
+        return ids.gather(-1, slot.unsqueeze(-1)).squeeze(-1)
+
+    def _token_in_group(self, q: torch.Tensor, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """A token of each group [N], drawn from Q(u)/m(u) normalised over the group (uniforms u [N, 1])."""
+        ids, mask = self.groups.of(groups)
+        weight = q.gather(-1, ids) / self.groups.sizes[ids].to(q.dtype) * mask
+        return ids.gather(-1, inverse_cdf(weight, u)).squeeze(-1)
+
+    # --- laws (certificates) -----------------------------------------------------------------------------
+    def coarse_law(self, law: torch.Tensor) -> torch.Tensor:
+        """Q_c over every group [N, V]."""
+        return self.groups.law(law)
+
+    def group_law(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Exact one-step law of the emitted group label [N, V]."""
+        pc, qc = self.coarse_law(p), self.coarse_law(q)
+        accept = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+        kept = pc * accept
+        return kept + (1 - kept.sum(-1, keepdim=True)) * _normalize((qc - pc).clamp_min(0))
+
+    def output_law(self, p, q):
+        """Token-level law: accepted draft tokens, plus residual groups' Q-split members."""
+        pc, qc = self.coarse_law(p), self.coarse_law(q)
+        accept_group = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)  # [N, V groups]
+        sizes = self.groups.sizes.to(p.dtype)
+        member = self.groups.dense(p.dtype)  # [groups, tokens]
+        kept = p / sizes * (accept_group @ member)  # token x kept via each of its groups
+        residual = _normalize((qc - pc).clamp_min(0))
+        in_group = member * (q / sizes).unsqueeze(-2)  # [N, groups, tokens]
+        token_given_group = in_group / in_group.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        reject = 1 - kept.sum(-1, keepdim=True)
+        return kept + reject * (residual.unsqueeze(-1) * token_given_group).sum(-2)
+
+    def __repr__(self):
+        if self.groups is None:
+            return f"PCGRule(theta={self.theta}, groups not built yet: bind(target))"
+        mean = self.groups.sizes.float().mean()
+        return f"PCGRule(theta={self.theta:.4f}, source={self.source.name}, vocab={self.vocab_size}, mean_group={mean:.2f})"
+
+
+def theta_for_mean_group_size(vectors: torch.Tensor, mean_size: float, chunk: int = 2048) -> float:
+    """The cosine θ at which the groups {u : cos(e_u, e_v) > θ} have mean size `mean_size` over the rows of
+    `vectors`: sum_v |G_v| = V + #{ordered pairs u != v with cos > θ}, so θ sits between the N-th and
+    (N+1)-th largest off-diagonal cosine, N = round((mean_size - 1)·V). One chunked pass (V can be 65k);
+    ties at the boundary can make the mean differ from the request by their count / V."""
+    e = torch.nn.functional.normalize(vectors.detach().float(), dim=-1)
+    vocab = e.shape[0]
+    n_pairs = round((mean_size - 1) * vocab)
+    if n_pairs <= 0:
+        return 1.0  # no cosine exceeds 1: every token alone
+    if n_pairs >= vocab * (vocab - 1):
+        return -1.0 - 1e-6  # every pair: one group
+    best = e.new_empty(0)
+    for start in range(0, vocab, chunk):
+        sim = e[start : start + chunk] @ e.T
+        sim[torch.arange(sim.shape[0]), torch.arange(start, start + sim.shape[0])] = -math.inf
+        best = torch.cat([best, sim.flatten()]).topk(min(n_pairs + 1, best.numel() + sim.numel())).values
+    return float((best[n_pairs - 1] + best[n_pairs]) / 2)
+
+
+class GroupSwap:
+    """The PCG paper's stress test: replace every generated speech token by a member of its group drawn
+    uniformly (itself included), before vocoding. Groups come from a PCGRule bound to the target; the
+    draws from a generator seeded per utterance, so a rerun swaps the same tokens."""
+
+    def __init__(self, groups: PCGRule):
+        if not isinstance(groups, PCGRule):
+            raise TypeError(
+                f"perturb.groups must be a PCGRule (perturb.groups._target_=ssd.decoding.pcg.PCGRule), "
+                f"got {type(groups).__name__}"
+            )
+        self.groups = groups
+
+    def bind(self, target) -> GroupSwap:
+        self.groups.bind(target)
+        return self
+
+    def labels(self) -> dict:
+        return {"swap_" + k: v for k, v in self.groups.labels().items()}
+
+    def __call__(self, tokens: list[int], seed: int) -> list[int]:
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        speech = ids < self.groups.speech_tokens  # stop/text ids stay
+        u = torch.rand(len(tokens), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        drawn = self.groups._uniform_member(torch.where(speech, ids, 0), u)
+        return torch.where(speech, drawn, ids).tolist()
