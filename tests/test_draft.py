@@ -9,9 +9,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ssd.contracts import SpeechLM  # noqa: E402
+from ssd.contracts import Drafter, SpeechLM  # noqa: E402
+from ssd.drafters.layers import Draft, build_draft, describe, load_draft, save_draft  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM  # noqa: E402
-from ssd.models.draft import Draft, build_draft, describe, load_draft, save_draft  # noqa: E402
 from tests.fixtures_models import make_tiny_cosyvoice2_dir  # noqa: E402
 
 torch.set_num_threads(1)
@@ -81,13 +81,13 @@ def test_training_the_draft_leaves_the_target_unchanged(target):
 
 def test_all_layer_draft_reproduces_target_and_speaks_the_interface(target):
     draft = build_draft(target, layers=range(4), trainable=["layers.1"])
-    assert isinstance(draft, SpeechLM)
+    assert isinstance(draft, Drafter) and isinstance(draft.model, SpeechLM)
     prompt = target.make_prompt(["bin blue at zero", "set red"], ["lay green", ""], [[1, 2], []])
     t_cache, t_logits = target.prefill(prompt, 6)
-    d_cache, d_logits = draft.prefill(prompt, 6)
+    d_cache, d_logits = draft.model.prefill(prompt, 6)
     assert torch.equal(t_logits, d_logits)
     tokens = torch.tensor([[4, 5, 6], [7, 8, 9]])
-    assert torch.equal(target.extend(t_cache, tokens), draft.extend(d_cache, tokens))
+    assert torch.equal(target.extend(t_cache, tokens), draft.model.extend(d_cache, tokens))
 
 
 def test_bad_recipes_are_clear_errors(target):
@@ -124,7 +124,7 @@ def test_checkpoint_round_trip_and_wrong_target(target, tmp_path):
         assert torch.equal(p, q), k
     assert [p.requires_grad for p in again.parameters()] == [p.requires_grad for p in draft.parameters()]
     same_shape_other = CosyVoice2LM.from_dir(make_tiny_cosyvoice2_dir(tmp_path / "other", seed=1))
-    with pytest.raises(ValueError, match="different target"):
+    with pytest.raises(ValueError, match="another target"):
         load_draft(path, same_shape_other)
     with pytest.raises(ValueError, match="recipe"):
         build_draft(target, layers=[0, 2], trainable=["layers.0", "head"], checkpoint=path)

@@ -1,9 +1,10 @@
-"""Layer-inheritance drafts: the target's architecture with a chosen list of the target's layers.
+"""The layer-subset drafter (SSD, PCG): the target's architecture with a chosen list of the target's layers.
 
 `build_draft(target, layers=[0, 1, 18, ..., 23], trainable=["layers.0", "layers.1", "head"])`
 returns a `Draft`: a model of the target's class whose layer j is a bit-exact copy of target layer
-layers[j], with the recipe and the target's fingerprint beside it (the draft speaks the target's
-contract by delegation, so the engine and the trainer take it where they take a target). Frozen embeddings / head / final norm are the target's own tensors when
+layers[j], with the recipe and the target's fingerprint beside it. It drafts by running that model token by
+token (`ssd.drafters.autoregressive`), and it trains through the model's own `training_logits`, so the
+trainer takes it where it takes a target. Frozen embeddings / head / final norm are the target's own tensors when
 share_embeddings is true (copies otherwise); trainable parts are always copies, so training a
 draft never changes its target. A draft checkpoint holds only the trainable tensors, the recipe
 and a fingerprint of the target; loading rebuilds everything else from the target.
@@ -11,7 +12,6 @@ and a fingerprint of the target; loading rebuilds everything else from the targe
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -21,11 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssd.files import read_checkpoint
+from ssd.contracts import TrainingOutputs
+from ssd.drafters.autoregressive import AutoregressiveSession
+from ssd.drafters.base import check_target, model_outputs, target_fingerprint
+from ssd.files import read_checkpoint, write_checkpoint
 from ssd.models.base import CachedSpeechLM
 
 CHECKPOINT_FORMAT = "ssd-draft-v1"
-PROBE_VALUES_PER_TENSOR = 4
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,10 @@ class DraftRecipe:
 
 
 class Draft(nn.Module):
-    """A draft model and what it was built from. `model` is of the target's class; the rest is metadata."""
+    """A layer-subset drafter (`ssd.contracts.Drafter`) and what it was built from. `model` is of the target's
+    class; the rest is metadata."""
+
+    taps: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -54,16 +59,17 @@ class Draft(nn.Module):
         self.speech_token_size = model.speech_token_size
         self.stop_tokens = model.stop_tokens
 
-    # The SpeechLM / TTSTargetLM methods are the model's own.
-    def prefill(self, prompt: Any, max_new_tokens: int):
-        return self.model.prefill(prompt, max_new_tokens)
+    def start(self, prompt: Any, first: torch.Tensor, features: Any, room: int) -> AutoregressiveSession:
+        return AutoregressiveSession(self.model, prompt, first, room)
 
-    def extend(self, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.extend(cache, tokens)
+    def training_outputs(self, batch: dict, teacher: Any) -> TrainingOutputs:
+        """The draft model's next-token predictions at every scored position (and the target's, for KD)."""
+        return model_outputs(self.model, batch, teacher)
 
-    def rollback(self, cache: Any, n: torch.Tensor | int | list[int]) -> None:
-        self.model.rollback(cache, n)
+    def save(self, path: str | Path) -> Path:
+        return save_draft(path, self)
 
+    # What the trainer and the compiler use are the model's own.
     def compile_decoding(self, **options: Any) -> Draft:
         """The model's static, compiled decode step (CachedSpeechLM.compile_decoding). Returns self."""
         self.model.compile_decoding(**options)
@@ -87,18 +93,6 @@ class Draft(nn.Module):
 
     def __repr__(self) -> str:
         return describe(self)
-
-
-def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
-    """Identity of a target: a hash of its class, parameter names and shapes, plus a few leading
-    values of every tensor (compared with a tolerance, so fp32/bf16 loads of one target agree)."""
-    state = model.state_dict()
-    structure = hashlib.sha256(type(model).__name__.encode())
-    probes = []
-    for key in sorted(state):
-        structure.update(f"{key}:{tuple(state[key].shape)};".encode())
-        probes.append(state[key].detach().flatten()[:PROBE_VALUES_PER_TENSOR].float().cpu())
-    return {"structure_sha256": structure.hexdigest(), "probe": torch.cat(probes)}
 
 
 def _group_of(model: CachedSpeechLM) -> dict[str, str]:
@@ -183,34 +177,20 @@ def save_draft(path: str | Path, draft: Draft) -> Path:
         "target": draft.target_fingerprint,
         "trained": trained,
     }  # fmt: skip
-    torch.save(payload, path)
-    return path
+    return write_checkpoint(path, payload)
 
 
 def _read_checkpoint(path: str | Path) -> dict[str, Any]:
-    payload = read_checkpoint(path, "draft checkpoint (ssd.models.draft.save_draft)")
+    payload = read_checkpoint(path, "draft checkpoint (ssd.drafters.layers.save_draft)")
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a draft checkpoint written by ssd.models.draft.save_draft")
+        raise ValueError(f"{path} is not a draft checkpoint written by ssd.drafters.layers.save_draft")
     return payload
-
-
-def _check_target(payload: dict[str, Any], target: CachedSpeechLM, path: Path) -> None:
-    expected, actual = payload["target"], target_fingerprint(target)
-    same = expected["structure_sha256"] == actual["structure_sha256"] and torch.allclose(
-        expected["probe"], actual["probe"], rtol=1e-2, atol=1e-3
-    )
-    if not same:
-        raise ValueError(
-            f"draft checkpoint {path} was made from a different target than the {type(target).__name__} "
-            f"given (target structure {actual['structure_sha256'][:12]} vs checkpoint "
-            f"{expected['structure_sha256'][:12]}, or different weights)"
-        )
 
 
 def _load_trained(draft: Draft, target: CachedSpeechLM, path: str | Path) -> None:
     path = Path(path)
     payload = _read_checkpoint(path)
-    _check_target(payload, target, path)
+    check_target(payload["target"], target, path)
     recipe = payload["recipe"]
     mine = draft.recipe
     if tuple(recipe["layers"]) != mine.layers or tuple(recipe["trainable"]) != mine.trainable:
@@ -235,7 +215,7 @@ def _load_trained(draft: Draft, target: CachedSpeechLM, path: str | Path) -> Non
 def load_draft(path: str | Path, target: CachedSpeechLM) -> Draft:
     """Rebuild a saved draft from its target (a different target is a clear error)."""
     payload = _read_checkpoint(path)
-    _check_target(payload, target, Path(path))
+    check_target(payload["target"], target, Path(path))
     recipe = payload["recipe"]
     return build_draft(
         target, recipe["layers"], recipe["trainable"], recipe["share_embeddings"], checkpoint=path
