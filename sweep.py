@@ -1,8 +1,8 @@
 """Evaluate decoding settings: `python sweep.py -m beta=0,0.2,0.4 draft_len=2,3,4`.
 
 A thin Hydra entry point; the work is in ssd.evaluation.runner (configs/sweep.yaml documents the keys).
-A multirun without decoding=ar also runs (once) the matching AR baseline into <sweep dir>/baselines/, so
-the table at the end has the speedup and ΔWER vs AR of every setting.
+A multirun job that is not its own baseline also runs (once) the matching AR baseline into
+<sweep dir>/baselines/, so the table at the end has the speedup and ΔWER vs AR of every setting.
 On a fresh clone the toy world that the default target reads is built first (once, announced).
 """
 
@@ -17,15 +17,15 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from ssd.evaluation.runner import run_job  # noqa: E402
-from ssd.evaluation.schema import validate_sweep_config  # noqa: E402
+from ssd.evaluation.baselines import run_job  # noqa: E402
+from ssd.evaluation.settings import RunSettings  # noqa: E402
 from ssd.toy_world import ensure_built  # noqa: E402
 
 
 @hydra.main(config_path="configs", config_name="sweep", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        validate_sweep_config(cfg)
+        RunSettings.from_config(cfg)
     except ValueError:
         pass  # run_job reports it (in a multirun: this job's error.json); nothing is built for a bad config
     else:

@@ -17,14 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssd.evaluation.tables import (  # noqa: E402
-    aggregate,
-    display_table,
-    matching_row,
-    select_setting,
-    setting_of,
-    to_markdown,
-)
+from ssd.evaluation.selection import matching_row, select_setting  # noqa: E402
+from ssd.evaluation.tables import aggregate, display_table, reference_rows, setting_of, to_markdown  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             f"dev WER {chosen['wer'] * 100:.1f}%)"
         )
         test_row = matching_row(table, chosen)
-        ar = table[(table["decoding"] == "ar") & (table["status"] == "ok")]
+        ar = table[reference_rows(table)]
         print("reported on test:\n")
         print(to_markdown(display_table(table.loc[[*ar.index, test_row.name]])))
     return 0

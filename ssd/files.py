@@ -83,6 +83,17 @@ class RunDirLock:
             self._file = None
 
 
+def write_checkpoint(path: str | Path, payload: Any) -> Path:
+    """torch.save `payload` to `path` atomically (`write_atomic`): a kill mid-save leaves the old file whole."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return write_atomic(path, buffer.getvalue())
+
+
 def read_checkpoint(path: str | Path, what: str, mmap: bool = False) -> Any:
     """torch.load (weights only) of a file the user points at; an unreadable one (truncated, empty, another
     format) raises ValueError naming the file and what it should be, instead of torch's zip-reader error."""

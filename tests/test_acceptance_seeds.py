@@ -50,19 +50,24 @@ def test_pcg_table1_compares_every_group_size_with_exact_and_a_size_1_control():
 def test_decode_counts_seed_0_is_the_sweeps_decode_seeds_differ_and_a_rerun_resumes(micro_world, tmp_path):
     """Seed s = 0 is the runner's own per-utterance seed (the sweep's decode); other seeds give other paths.
     The run dir resumes (nothing decoded twice) and refuses another configuration."""
-    from ssd.evaluation.runner import build_test_list, decode_items, load_models, prepare_item
+    from ssd.evaluation.items import build_test_list, prepare_item
+    from ssd.evaluation.models import load_models
+    from ssd.evaluation.runner import decode_items
+    from ssd.evaluation.settings import RunSettings
 
     overrides = [o for o in sweep_overrides(micro_world, n_utts=2, max_len=20)] + [
         "draft.checkpoint=null",
         "mos=none",
     ]
     cfg = compose("sweep", overrides)
+    cfg.output_dir = str(tmp_path / "direct")  # what a Hydra run sets (the loggers write under it)
     run_dir = tmp_path / "exact"
     counts = decode_counts(cfg, run_dir, utterances=2, seeds=4, label="exact")
     assert len(counts) == 8 and set(counts["seed"]) == {0, 1, 2, 3}
-    models = load_models(cfg)
-    pair = next(build_test_list(cfg.eval).itertuples(index=False))
-    result, _, _ = decode_items(cfg, models, [prepare_item(cfg, models, 0, pair, None, {})])
+    settings = RunSettings.from_config(cfg)
+    models = load_models(settings)
+    pair = next(build_test_list(settings.eval).itertuples(index=False))
+    result, _, _ = decode_items(settings, models, [prepare_item(models, settings.seed, 0, pair, None, {})])
     first = counts[(counts["utt"] == pair.utt) & (counts["seed"] == 0)].iloc[0]
     assert (
         first["accepted"] == sum(result.rows[0]["accepted"]) and first["tokens"] == result.rows[0]["tokens"]

@@ -22,7 +22,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from ssd.config import compose
-from ssd.evaluation import runner
+from ssd.evaluation import models as models_module
 from ssd.evaluation.run_dir import CONFIG_FILE, METRICS_FILE, QUARANTINE_FILE, RESULTS_FILE, read_records
 from ssd.evaluation.runner import evaluate
 from ssd.files import RunDirLock, write_atomic
@@ -39,9 +39,9 @@ def _cfg(world, *extra: str, n_utts: int = 3, max_len: int = 15):
 @pytest.fixture
 def nothing_loaded():
     """The models loaded by earlier tests are dropped; a fail-fast check leaves the cache empty."""
-    runner._LOADED.clear()
+    models_module._LOADED.clear()
     yield
-    assert not runner._LOADED, "a model was loaded before the configuration error was found"
+    assert not models_module._LOADED, "a model was loaded before the configuration error was found"
 
 
 # --- configuration: at compose time, or before any model loads ------------------------------------
@@ -69,8 +69,9 @@ def test_a_typo_or_a_wrong_type_fails_when_the_config_is_composed(override, key)
         ("eval.max_len=-5", "eval.max_len=-5 must be >= 1 or null"),
         (
             "decoding.adaptive.enabled=true decoding.adaptive.min_len=6 decoding.adaptive.max_len=2",
-            "min_len=6 and max_len=2",
+            r"min_len \(6\) <= start \(3\) <= max_len \(2\)",
         ),
+        ("decoding.adaptive.enabled=true decoding.adaptive.min_len=x", "min_len='x' must be an integer"),
         ("beta=-1", "beta=-1.0 must be >= 0"),
         ("theta=1.2", r"theta=1.2 must lie in \(-1, 1\)"),
         ("eval.prompt_sec=[4.0,1.0]", r"eval.prompt_sec=\[4.0, 1.0\] must be \[min, max\]"),
@@ -144,7 +145,7 @@ def test_a_file_that_is_not_a_draft_checkpoint_is_named(micro_world, tmp_path):
     bogus = tmp_path / "draft.pt"
     torch.save({"weights": torch.zeros(2)}, bogus)
     with pytest.raises(
-        Exception, match=r"draft.pt is not a draft checkpoint written by ssd.models.draft.save_draft"
+        Exception, match=r"draft.pt is not a draft checkpoint written by ssd.drafters.layers.save_draft"
     ):
         evaluate(_cfg(micro_world, f"draft.checkpoint={bogus}"), tmp_path / "run")
 
@@ -206,16 +207,16 @@ def test_a_draft_of_another_vocabulary_is_refused_at_load(micro_world, tmp_path)
 
     other = write_cosyvoice2_dir(tmp_path / "other", TINY_TARGET, micro_world.codebook + 5,
                                  micro_world.data_dir / "words", seed=1)  # fmt: skip
-    models = runner.load_models(_cfg(micro_world, "decoding=ar"))
+    models = _models(micro_world)
+    from ssd.drafters.layers import build_draft
     from ssd.models.cosyvoice2 import CosyVoice2LM
-    from ssd.models.draft import build_draft
 
     draft = build_draft(CosyVoice2LM.from_dir(other), [0])
-    from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.generate import Request, decode_speculative
 
     prompt = models.target.make_prompt(["set red"])
     with pytest.raises(ValueError, match=r"different vocabularies \(\d+ vs \d+ head entries\)"):
-        decode_speculative(models.target, draft, prompt, models.sampling, _exact(), draft_len=2, max_len=5)
+        decode_speculative(models.target, draft, Request(prompt, 5), models.sampling, _exact(), 2)
 
 
 def _exact():
@@ -224,12 +225,19 @@ def _exact():
     return ExactRule()
 
 
+def _models(micro_world):
+    from ssd.evaluation.models import load_models
+    from ssd.evaluation.settings import RunSettings
+
+    return load_models(RunSettings.from_config(_cfg(micro_world, "decoding=ar")))
+
+
 @pytest.mark.parametrize("broken", ["target", "draft"])
 def test_non_finite_logits_name_the_model_and_the_step(micro_world, broken):
-    from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.generate import Request, decode_speculative
 
-    models = runner.load_models(_cfg(micro_world, "decoding=ar"))
-    from ssd.models.draft import build_draft
+    models = _models(micro_world)
+    from ssd.drafters.layers import build_draft
 
     target = models.target
     draft = build_draft(target, [0], trainable=["head"])
@@ -242,7 +250,7 @@ def test_non_finite_logits_name_the_model_and_the_step(micro_world, broken):
         with pytest.raises(
             FloatingPointError, match=rf"the {broken}'s logits are NaN/inf at generated token \d+"
         ):
-            decode_speculative(target, draft, prompt, models.sampling, _exact(), draft_len=2, max_len=8)
+            decode_speculative(target, draft, Request(prompt, 8), models.sampling, _exact(), 2)
     finally:
         with torch.no_grad():
             model.llm_decoder.bias.copy_(saved)
@@ -353,8 +361,8 @@ def test_a_diverging_training_stops_and_exports_nothing(training_world, tmp_path
 
 
 def test_a_nan_model_is_never_exported(training_world, tmp_path):
+    from ssd.drafters.layers import build_draft
     from ssd.models.cosyvoice2 import CosyVoice2LM
-    from ssd.models.draft import build_draft
     from ssd.training.train import export_model
 
     draft = build_draft(CosyVoice2LM.from_dir(training_world["target"]), [0, -1], ["head"])
@@ -363,7 +371,7 @@ def test_a_nan_model_is_never_exported(training_world, tmp_path):
     with pytest.raises(
         FloatingPointError, match=r"not exporting .*draft.pt: trained tensors \['model.llm_decoder.bias'\]"
     ):
-        export_model(draft, tmp_path / "draft.pt")
+        export_model(draft, tmp_path / "draft.pt", draft=True)
     assert not (tmp_path / "draft.pt").exists()
 
 

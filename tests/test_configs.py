@@ -91,7 +91,6 @@ def test_the_target_brings_its_codec_and_judges_and_one_override_changes_each():
     [
         (["draft_len=abc"], "draft_len"),
         (["eval.n_uts=3"], "n_uts"),
-        (["decoding.adaptive.min_len=x"], "min_len"),
         (["eval.max_len=x"], "max_len"),
     ],
 )

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from omegaconf import OmegaConf
 
 from ssd.audio.vocoder import CosyVoice2Vocoder
 from ssd.contracts import VocoderPrompt
@@ -289,14 +288,16 @@ class _CeilTokenizer:
 
 @pytest.mark.usefixtures("isolated_imports")
 def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny_cosyvoice2_dir):
-    from ssd.evaluation.runner import EvalModels, lm_prompt, prepare_item
+    from ssd.evaluation.items import prepare_item
+    from ssd.evaluation.models import EvalModels
+    from ssd.evaluation.runner import lm_prompt
     from ssd.models.cosyvoice2 import CosyVoice2LM
 
     wav_path = tmp_path / "prompt.wav"
     sf.write(wav_path, _prompt_wav(), PROMPT_SR, subtype="FLOAT")
     vocoder = _vocoder(tmp_path, "path-622a3a1")
     models = EvalModels(
-        target=CosyVoice2LM.from_dir(tiny_cosyvoice2_dir), sampling=None, draft=None, rule=None,
+        target=CosyVoice2LM.from_dir(tiny_cosyvoice2_dir), sampling=None, decoder=None,
         speech_tokenizer=_CeilTokenizer(), vocoder=vocoder, asr=None,
         speaker=SimpleNamespace(embed=lambda wav, sr: np.ones(4, np.float32)), language=None,
     )  # fmt: skip
@@ -304,15 +305,14 @@ def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny
         utt="u1", prompt_utt="p1", prompt_wav=wav_path, prompt_text="lay green", text="bin blue"
     )
     cache = {}
-    cfg = OmegaConf.create({"eval": {}, "seed": 0})
-    item = prepare_item(cfg, models, 0, pair, None, cache)
+    item = prepare_item(models, 0, 0, pair, None, cache)
     prompt, vprompt = lm_prompt(models, [item]), item.vprompt
     raw = _CeilTokenizer().encode(_prompt_wav(), PROMPT_SR)
     assert raw.size == RAW_PROMPT_TOKENS
     np.testing.assert_array_equal(vprompt.tokens, raw[:UPSTREAM_PROMPT_TOKENS])
     assert prompt.speech_ids[0].tolist() == vprompt.tokens.tolist()  # the LM sees what the flow sees
     assert vocoder.vocode(np.zeros(NEW_TOKENS, np.int64), vprompt).shape == (48_000,)
-    prepare_item(cfg, models, 1, pair, None, cache)  # the second item with this prompt
+    prepare_item(models, 0, 1, pair, None, cache)  # the second item with this prompt
     assert len(sys.modules["cosyvoice.cli.frontend"].CALLS) == 1
 
 

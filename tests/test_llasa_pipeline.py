@@ -217,7 +217,7 @@ def test_target_llasa_brings_x_codec2():
 def _llasa_with_all_codes() -> LlasaLM:
     """A LlasaLM with X-codec2's 65536 speech tokens (built directly: a tokenizer with 65k added tokens
     is slow to write)."""
-    from ssd.models.transformer import BackboneConfig
+    from ssd.models.backbone_config import BackboneConfig
 
     config = BackboneConfig(model_type="llama", vocab_size=65536 + 16, hidden_size=8, intermediate_size=16,
                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=False)  # fmt: skip
@@ -235,7 +235,7 @@ def test_a_cosyvoice_tokenizer_with_llasa_fails_at_load_naming_the_three_configs
     cosyvoice = CosyVoiceSpeechTokenizer(_write_model(tmp_path / "speech_tokenizer_v2.onnx"))
     target, xcodec2 = _llasa_with_all_codes(), XCodec2.load(xcodec2_dir)
     with pytest.raises(ValueError) as err:
-        check_pairing(cfg, cosyvoice, target, xcodec2)
+        check_pairing("llasa", cfg, cosyvoice, target, xcodec2)
     message = str(err.value)
     assert (
         "speech_tokenizer=cosyvoice2 (6561 codes at 25 Hz) does not match target=llasa (65536 codes)"
@@ -244,11 +244,13 @@ def test_a_cosyvoice_tokenizer_with_llasa_fails_at_load_naming_the_three_configs
     assert "and vocoder=llasa (65536 codes at 50 Hz) run at different token rates" in message
     assert "one vocabulary" in message
 
-    check_pairing(compose("sweep", ["target=llasa"]), xcodec2, target, xcodec2)  # the matching trio passes
+    check_pairing(
+        "llasa", compose("sweep", ["target=llasa"]), xcodec2, target, xcodec2
+    )  # the matching trio passes
     with pytest.raises(
         ValueError, match=r"vocoder=llasa \(65536 codes at 50 Hz\) does not match target=llasa"
     ):
-        check_pairing(compose("sweep", ["target=llasa"]), xcodec2, LlasaLM.from_dir(make_llasa_dir(
+        check_pairing("llasa", compose("sweep", ["target=llasa"]), xcodec2, LlasaLM.from_dir(make_llasa_dir(
             tmp_path / "llasa40", num_layers=1), num_speech_tokens=SPEECH_TOKENS), xcodec2)  # fmt: skip
 
 
@@ -258,20 +260,21 @@ def test_the_runner_refuses_a_cosyvoice_tokenizer_for_llasa_at_load(xcodec2_dir,
     from test_cosyvoice_tokenizer import _write_model
 
     from ssd.config import compose
-    from ssd.evaluation import runner
+    from ssd.evaluation import models
+    from ssd.evaluation.settings import RunSettings
 
     onnx = _write_model(tmp_path / "speech_tokenizer_v2.onnx")
     common = ["target=llasa", f"target.model.model_dir={llasa_dir}", f"target.speech_token_size={SPEECH_TOKENS}",
               "decoding=ar", "eval=libritts_test_clean", "asr=pocketsphinx", "sim=resemblyzer", "logger=none",
               f"vocoder.path={xcodec2_dir}"]  # fmt: skip
-    runner._LOADED.clear()
+    models._LOADED.clear()
     try:
         cfg = compose("sweep", [*common, "speech_tokenizer=cosyvoice2", f"speech_tokenizer.path={onnx}"])
         with pytest.raises(ValueError, match=r"speech_tokenizer=cosyvoice2 \(6561 codes at 25 Hz\) does not match "
                            r"target=llasa \(40 codes\).*vocoder=llasa"):  # fmt: skip
-            runner.load_models(cfg)
+            models.load_models(RunSettings.from_config(cfg))
     finally:
-        runner._LOADED.clear()
+        models._LOADED.clear()
 
 
 # --- LibriTTS shards in LLaSA's vocabulary ----------------------------------------------------------------
@@ -318,7 +321,7 @@ def test_shards_of_another_text_tokenizer_are_refused(llasa_world, tmp_path):
 
 def test_train_draft_cli_trains_a_pcg_draft_of_llasa(llasa_world, tmp_path):
     """`python train_draft.py target=llasa draft=pcg_3layer data=libritts trainer=cpu` on the prepared shards."""
-    from ssd.models.draft import load_draft
+    from ssd.drafters.layers import load_draft
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}

@@ -12,10 +12,11 @@ import soundfile as sf
 import torch
 
 from ssd.audio.mos import DNSMOS, UTMOS
+from ssd.evaluation.judging import mos_fields
 from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.run_dir import METRICS_FILE, RESULTS_FILE, read_records
-from ssd.evaluation.runner import evaluate, mos_fields
-from ssd.evaluation.tables import add_paired_wer, add_speedup, display_table, load_runs
+from ssd.evaluation.runner import evaluate
+from ssd.evaluation.tables import add_paired_wer, display_table, load_runs
 from ssd.toy_world.lm_stages import naturalness_ordering
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 
@@ -284,7 +285,7 @@ def test_a_run_records_naturalness_and_the_table_shows_nmos(micro_world, tmp_pat
     assert not any("nmos" in r or any(k.startswith("mos_") for k in r) for r in off)
     assert "nmos" not in (sweep / "none" / METRICS_FILE).read_text()
 
-    table = display_table(add_speedup(load_runs(sweep)))
+    table = display_table(load_runs(sweep))
     assert "NMOS [95% CI]" in table.columns
     shown = dict(zip(table["run"], table["NMOS [95% CI]"]))
     assert shown["none"] == "-" and shown["ar"].startswith(f"{metrics['nmos']:.2f} [")
@@ -312,7 +313,7 @@ def test_paired_nmos_difference_and_its_table_column(tmp_path):
     for name, rows, mode in (("ar", ar, "ar"), ("spec", worse, "speculative")):
         (tmp_path / name).mkdir()
         (tmp_path / name / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        metrics = {"decoding": mode, "target": "toy", "eval": "toy", "num_utterances": 30, "lm_rtf": 0.1,
+        metrics = {"decoding": mode, "reference": mode == "ar", "setting_keys": ["decoding"], "target": "toy", "eval": "toy", "num_utterances": 30, "lm_rtf": 0.1,
                    "wer": 0.0, "wer_per_utt": 0.0, "sim": 0.5, "nmos": float(np.mean([r["nmos"] for r in rows])),
                    "acceptance_rate": 0.5, "mean_accepted_length": 1.0, "target_calls_per_token": 1.0,
                    "speedup": 1.0}  # fmt: skip

@@ -13,8 +13,11 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
-from ssd.evaluation import runner
-from ssd.evaluation.metrics import bootstrap_ci, summarize
+from ssd.evaluation import baselines, runner
+from ssd.evaluation import models as models_module
+from ssd.evaluation.baselines import baseline_key
+from ssd.evaluation.items import utterance_seed, wrong_sentence_texts
+from ssd.evaluation.metrics import bootstrap_ci, paired_speedup_ci, summarize
 from ssd.evaluation.run_dir import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -23,7 +26,7 @@ from ssd.evaluation.run_dir import (
     TEST_LIST_FILE,
     read_records,
 )
-from ssd.evaluation.runner import TIMING_KEYS, baseline_key, evaluate, utterance_seed, wrong_sentence_texts
+from ssd.evaluation.runner import TIMING_KEYS, evaluate
 from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
 from ssd.evaluation.wandb_mirror import wandb_settings
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
@@ -114,6 +117,29 @@ def test_bootstrap_ci_is_seeded_and_covers_the_mean():
     assert 0.1 < first[1] - first[0] < 0.5  # ~ 2 * 1.96 / sqrt(200)
 
 
+def test_the_paired_speedup_ci_covers_the_true_speedup():
+    """Over simulated runs of 40 utterances (lengths vary 5-fold, each pair's ratio noisy by 10 %), the 95 %
+    CI of Σ AR / Σ own covers the true 1.3 in 95 % of runs, where the percentile bootstrap of the same
+    statistic covers it less often; a truth 5 % off is covered far less often (the negative control: the CI is
+    narrow enough to tell a 5 % difference)."""
+    from scipy.stats import binomtest
+
+    rng = np.random.default_rng(0)
+    covered = covered_off = covered_bootstrap = 0
+    runs = 2000
+    for _ in range(runs):
+        ar = rng.lognormal(0.0, 0.5, 40)
+        own = ar / 1.3 * rng.lognormal(-0.005, 0.1, 40)  # mean-one noise: E[lognormal(-σ²/2, σ)] = 1
+        lo, hi = paired_speedup_ci([{"lm_time": o, "baseline_lm_time": a} for o, a in zip(own, ar)])
+        covered += lo <= 1.3 <= hi
+        covered_off += lo <= 1.3 * 1.05 <= hi
+        resampled = rng.integers(0, 40, (400, 40))  # the percentile bootstrap, vectorised
+        lo, hi = np.percentile(ar[resampled].sum(1) / own[resampled].sum(1), [2.5, 97.5])
+        covered_bootstrap += lo <= 1.3 <= hi
+    assert binomtest(covered, runs, 0.95).pvalue > 1e-3 and covered > covered_bootstrap
+    assert covered_off / runs < 0.5
+
+
 # --- the runner on the micro world --------------------------------------------------------------------
 
 
@@ -168,8 +194,8 @@ def no_decoding(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("decoding started before the configuration was checked")
 
-    monkeypatch.setattr("ssd.decoding.generate.decode_ar", forbidden)
-    monkeypatch.setattr("ssd.decoding.generate.decode_speculative", forbidden)
+    monkeypatch.setattr("ssd.decoding.decoders.decode_ar", forbidden)
+    monkeypatch.setattr("ssd.decoding.decoders.decode_speculative", forbidden)
 
 
 def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):
@@ -180,7 +206,7 @@ def test_missing_corpus_fails_fast_with_the_key(micro_world, tmp_path, no_decodi
 
 
 def test_missing_asr_model_fails_fast_with_the_key(micro_world, tmp_path, no_decoding):
-    runner._LOADED.clear()
+    models_module._LOADED.clear()
     cfg = _cfg(micro_world, "asr=whisper_base_toy", f"asr.model_dir={tmp_path / 'no_whisper'}")
     with pytest.raises(FileNotFoundError, match="model_dir"):
         evaluate(cfg, tmp_path / "run")
@@ -202,11 +228,11 @@ def test_missing_target_fails_fast(micro_world, tmp_path, no_decoding):
         ("theta=1.5", r"theta=1.5 must lie in \(-1, 1\)"),
         (
             "decoding.adaptive.enabled=true decoding.adaptive.min_len=5 decoding.adaptive.max_len=2",
-            "min_len=5 and max_len=2",
+            r"min_len \(5\) <= start \(3\) <= max_len \(2\)",
         ),
         ("eval.n_utts=0", "eval.n_utts=0 must be >= 1"),
         ("eval.batch_size=0", "eval.batch_size=0 must be >= 1"),
-        ("eval.latency_utts=0", "eval.latency_utts=0 must be >= 1 or null"),
+        ("eval.timed_utts=0", "eval.timed_utts=0 must be >= 1 or null"),
         (
             "eval.batch_invariant=true decoding.compile=true",
             "batch_invariant=true needs the eager decode path",
@@ -220,15 +246,15 @@ def test_out_of_range_settings_are_named_before_any_model_loads(
     override,
     message,
 ):
-    runner._LOADED.clear()
+    models_module._LOADED.clear()
     with pytest.raises(ValueError, match=message):
         evaluate(_cfg(micro_world, *override.split()), tmp_path / "run")
-    assert not runner._LOADED  # nothing was loaded
+    assert not models_module._LOADED  # nothing was loaded
     assert not (tmp_path / "run" / RESULTS_FILE).exists()
 
 
 def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):
-    models = runner.load_models(_cfg(micro_world))
+    models = _models(_cfg(micro_world))
     assert (
         models.sampling.stop_tokens
         == models.target.stop_tokens
@@ -236,21 +262,38 @@ def test_the_sampling_law_takes_the_loaded_targets_stop_tokens(micro_world):
     )
 
 
+def _first_tokens(world, setting: list[str], samples: int, tokens: int = 2) -> list[tuple[int, ...]]:
+    """The first `tokens` tokens of one test utterance decoded `samples` times (one seed each) through the
+    runner's own decode path (`decode_items`: prompt, limits, per-row streams, the configured decoder)."""
+    from dataclasses import replace
+
+    from ssd.evaluation.items import build_test_list, prepare_item
+    from ssd.evaluation.settings import RunSettings
+
+    settings = RunSettings.from_config(_cfg(world, *setting, n_utts=1))
+    models = models_module.load_models(settings)
+    pair = next(build_test_list(settings.eval).itertuples(index=False))
+    item = prepare_item(models, settings.seed, 0, pair, None, {})
+    batch = [replace(item, seed=1000 + s) for s in range(samples)]
+    with torch.inference_mode():
+        result, _, _ = runner.decode_items(settings, models, batch, max_tokens=tokens)
+    return [tuple(t) for t in result.tokens]
+
+
 @pytest.mark.slow
-def test_ar_and_exact_speculative_agree_within_ci(micro_world, tmp_path):
-    """beta = 0 (exact speculative sampling) samples the target's law: its WER/SIM/length distribution
-    must match decoding=ar within the bootstrap CIs, on the same utterances."""
-    n = 6
-    ar = evaluate(_cfg(micro_world, "decoding=ar", n_utts=n, max_len=40), tmp_path / "ar")
-    exact = evaluate(_cfg(micro_world, "acceptance=exact", n_utts=n, max_len=40), tmp_path / "exact")
-    for key in ("wer", "sim"):
-        (a_lo, a_hi), (e_lo, e_hi) = ar[f"{key}_ci"], exact[f"{key}_ci"]
-        assert a_lo <= e_hi and e_lo <= a_hi, (key, ar[f"{key}_ci"], exact[f"{key}_ci"])
-    a_len = [r["n_tokens"] for r in read_records(tmp_path / "ar" / RESULTS_FILE)]
-    e_len = [r["n_tokens"] for r in read_records(tmp_path / "exact" / RESULTS_FILE)]
-    assert abs(np.mean(a_len) - np.mean(e_len)) <= 3 * np.std(a_len + e_len) / np.sqrt(n) + 1
-    assert ar["target_calls_per_token"] == pytest.approx(1.0, abs=0.1)  # AR: one call per token
-    assert exact["target_calls_per_token"] < 1.0  # speculative: several tokens per target call
+def test_exact_speculative_decoding_through_the_runner_samples_the_targets_law(micro_world):
+    """β = 0 through the runner (its prompts, limits, seeds and decoder) against AR through the runner: a
+    chi-square homogeneity test on the joint law of the first two tokens of 3,000 decodes each; the same
+    test rejects β = 1 (every draft token kept: the draft's law) — the negative control."""
+    from ssd.evaluation.metrics import chi_square_homogeneity
+
+    n = 3000
+    ar = _first_tokens(micro_world, ["decoding=ar"], n)
+    exact = _first_tokens(micro_world, ["acceptance=tolerance", "beta=0", "draft_len=2"], n)
+    broken = _first_tokens(micro_world, ["acceptance=tolerance", "beta=1.0", "draft_len=2"], n)
+    assert len(set(ar)) > 20  # a law with many outcomes, not one sequence
+    assert chi_square_homogeneity(ar, exact, 5)["p_value"] > 1e-3
+    assert chi_square_homogeneity(ar, broken, 5)["p_value"] < 1e-3
 
 
 @pytest.mark.parametrize(
@@ -290,6 +333,12 @@ def test_wandb_mode_is_online_only_with_a_key_or_an_explicit_choice(monkeypatch)
 # --- batched evaluation, timing, compile ----------------------------------------------------------------
 
 
+def _models(cfg):
+    from ssd.evaluation.settings import RunSettings
+
+    return models_module.load_models(RunSettings.from_config(cfg))
+
+
 def _without_timing(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
@@ -297,11 +346,11 @@ def _without_timing(records):
 @pytest.mark.parametrize("mode", [[], ["decoding=ar"]], ids=["speculative", "ar"])
 def test_a_batched_run_writes_the_records_of_batch_1(micro_world, tmp_path, mode):
     """Ragged batches (4 items as 3 + 1), per-row seeds and limits: every record but its timing is the same
-    as at batch 1 (tokens bit for bit, hence WER, SIM and acceptance); the first latency_utts items are timed
+    as at batch 1 (tokens bit for bit, hence WER, SIM and acceptance); the first timed_utts items are timed
     alone, the rest carry only their share of the batched decode."""
     one = evaluate(_cfg(micro_world, *mode, "eval.batch_size=1", n_utts=4), tmp_path / "b1")
     three = evaluate(
-        _cfg(micro_world, *mode, "eval.batch_size=3", "eval.latency_utts=2", n_utts=4), tmp_path / "b3"
+        _cfg(micro_world, *mode, "eval.batch_size=3", "eval.timed_utts=2", n_utts=4), tmp_path / "b3"
     )
     r1, r3 = read_records(tmp_path / "b1" / RESULTS_FILE), read_records(tmp_path / "b3" / RESULTS_FILE)
     assert len(r1) == len(r3) == 4 and len({len(r["tokens"]) for r in r1}) > 1  # rows of different lengths
@@ -318,34 +367,80 @@ def test_a_batched_run_writes_the_records_of_batch_1(micro_world, tmp_path, mode
     assert [r["lm_time"] is not None for r in r3] == [True, True, False, False]
     assert all(r["lm_time"] is not None and r["decode_time_share"] == r["lm_time"] for r in r1)
     assert one["batch_size"] == 1 and three["batch_size"] == 3
-    assert three["latency_utterances"] == 2 and one["latency_utterances"] == 4
+    assert three["timed_utterances"] == 2 and one["timed_utterances"] == 4
     shares = [r["decode_time_share"] for r in r3]
     assert shares[0] == shares[1] == shares[2] != shares[3]  # one batched decode of 3, one of 1
     assert three["throughput_utts_per_sec"] == pytest.approx(4 / sum(shares))
 
 
 def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_path, monkeypatch):
-    """The latency items are decoded twice (batched, then alone): tokens that differ mean the engine is not
+    """The timed items are decoded twice (batched, then alone): tokens that differ mean the engine is not
     batch-invariant, and the run stops instead of writing records that depend on the batch."""
     decode = runner.decode_items
 
-    def alone_differs(cfg, m, items, max_tokens=None):
-        result, lo, hi = decode(cfg, m, items, max_tokens)
-        if len(items) == 1 and max_tokens is None:
+    def alone_differs(settings, m, items, max_tokens=None, decoder=None):
+        result, lo, hi = decode(settings, m, items, max_tokens, decoder)
+        if len(items) == 1 and max_tokens is None and decoder is None:
             result.tokens[0] = result.tokens[0][:-1]
         return result, lo, hi
 
     monkeypatch.setattr(runner, "decode_items", alone_differs)
     with pytest.raises(RuntimeError, match="not batch-invariant.*eval.batch_size=1"):
-        evaluate(_cfg(micro_world, "eval.batch_size=2", "eval.latency_utts=1", n_utts=2), tmp_path / "run")
+        evaluate(_cfg(micro_world, "eval.batch_size=2", "eval.timed_utts=1", n_utts=2), tmp_path / "run")
     assert not (tmp_path / "run" / RESULTS_FILE).exists()  # nothing batch-dependent was written
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_each_timed_item_is_timed_beside_its_baseline_in_alternating_order(
+    micro_world, tmp_path, monkeypatch, batch
+):
+    """The speedup comes from pairs timed in one process: each timed item is decoded alone by the run's decoder
+    and by the AR baseline, the baseline first on even items and second on odd ones (so neither side always
+    runs right after the judges); speedup = Σ AR time / Σ own time over the pairs, with a bootstrap CI."""
+    calls, timed_decode = [], runner._timed_decode
+
+    def logged(settings, m, items, decoder=None):
+        out = timed_decode(settings, m, items, decoder)
+        calls.append(("baseline" if decoder is not None else "own", [it.index for it in items], out[2]))
+        return out
+
+    monkeypatch.setattr(runner, "_timed_decode", logged)
+    metrics = evaluate(_cfg(micro_world, f"eval.batch_size={batch}", "eval.timed_utts=2"), tmp_path / "run")
+    alone = [(who, items[0]) for who, items, _ in calls if len(items) == 1]
+    assert alone == [("baseline", 0), ("own", 0), ("own", 1), ("baseline", 1)] + (
+        [("own", 2)] if batch == 1 else []
+    )
+    records = read_records(tmp_path / "run" / RESULTS_FILE)
+    assert [r["baseline_lm_time"] is not None for r in records] == [True, True, False]
+    seconds = {(who, items[0]): s for who, items, s in calls if len(items) == 1}
+    for i in (0, 1):
+        assert records[i]["baseline_lm_time"] == seconds[("baseline", i)]
+        assert records[i]["lm_time"] == seconds[("own", i)]
+    own, ar = sum(r["lm_time"] for r in records[:2]), sum(r["baseline_lm_time"] for r in records[:2])
+    assert metrics["speedup"] == pytest.approx(ar / own) and metrics["speedup_utterances"] == 2
+    lo, hi = metrics["speedup_ci"]
+    assert lo <= metrics["speedup"] <= hi and metrics["baseline_lm_time"] == pytest.approx(ar)
+
+
+def test_the_baseline_timed_beside_a_run_must_decode_the_baseline_runs_tokens(micro_world, tmp_path):
+    """The paired AR decodes are checked against the AR run the quality is compared with: a baseline run whose
+    tokens differ (here: edited) means the two runs differ in more than their setting, and the run stops."""
+    evaluate(_cfg(micro_world, "decoding=ar"), tmp_path / "ar")
+    ok = evaluate(_cfg(micro_world, f"baseline_dir={tmp_path / 'ar'}"), tmp_path / "spec")
+    assert ok["speedup_utterances"] == 3 and "wer_delta_vs_ar" in ok
+    results = tmp_path / "ar" / RESULTS_FILE
+    records = read_records(results)
+    records[1]["tokens"] = records[1]["tokens"][:-1]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(RuntimeError, match="other tokens than the baseline run"):
+        evaluate(_cfg(micro_world, f"baseline_dir={tmp_path / 'ar'}"), tmp_path / "spec2")
 
 
 def test_adaptive_draft_length_runs_at_batch_1_and_says_so(micro_world, tmp_path):
     metrics = evaluate(_cfg(micro_world, "decoding.adaptive.enabled=true", "eval.batch_size=4", n_utts=2,
                             max_len=15), tmp_path / "run")  # fmt: skip
     assert metrics["batch_size"] == 1 and "adaptive" in metrics["batch_note"]
-    assert metrics["latency_utterances"] == 2
+    assert metrics["timed_utterances"] == 2
 
 
 def test_end_to_end_rtf_adds_the_vocoder_time(micro_world, tmp_path):
@@ -363,7 +458,7 @@ def test_judges_run_with_single_threaded_numpy_blas_and_torch_untouched(micro_wo
     def blas_threads():
         return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
 
-    models = runner.load_models(_cfg(micro_world))
+    models = _models(_cfg(micro_world))
     seen = []
     transcribe = type(models.asr).transcribe
 
@@ -403,23 +498,24 @@ def test_single_threaded_blas_covers_the_blas_a_judge_loads_later():
 
 
 def test_decoding_compile_calls_each_models_compile_decoding(micro_world, tmp_path, monkeypatch):
-    models = runner.load_models(_cfg(micro_world))
+    models = _models(_cfg(micro_world))
     called = []
-    for model in (models.target, models.draft):
+    for model in (models.target, models.draft.model):
         monkeypatch.setattr(type(model), "compile_decoding", lambda self: called.append(self), raising=False)
     evaluate(_cfg(micro_world, "decoding.compile=true", n_utts=1, max_len=10), tmp_path / "run")
-    assert models.target in called and models.draft in called
+    assert models.target in called and models.draft.model in called
     assert compose_sweep_config(["decoding=ar"]).decoding.compile is False  # off unless asked
 
 
 def test_decoding_compile_without_the_method_is_named(micro_world, tmp_path, monkeypatch, no_decoding):
-    models = runner.load_models(_cfg(micro_world))
+    models = _models(_cfg(micro_world))
     owner = next(
         c for c in type(models.target).__mro__ if "compile_decoding" in vars(c)
     )  # the defining class
     monkeypatch.delattr(owner, "compile_decoding")
     with pytest.raises(
-        ValueError, match="decoding.compile=true.*target.*compile_decoding.*decoding.compile=false"
+        ValueError,
+        match="decoding.compile=true.*CosyVoice2LM has no compile_decoding.*decoding.compile=false",
     ):
         evaluate(_cfg(micro_world, "decoding.compile=true", n_utts=1), tmp_path / "run")
 
@@ -442,19 +538,24 @@ def test_concurrent_jobs_run_the_shared_baseline_once(micro_world, tmp_path, mon
     calls = []
 
     def slow_ar_run(cfg, run_dir):
-        calls.append(cfg.decoding.mode)
+        calls.append(cfg.decoding._target_)
         time.sleep(0.5)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text("{}")
 
-    monkeypatch.setattr(runner, "evaluate", slow_ar_run)
+    monkeypatch.setattr(baselines, "evaluate", slow_ar_run)
     cfgs = [_cfg(micro_world, "beta=0"), _cfg(micro_world, "beta=0.4", "draft_len=2")]
     found = []
     threads = [
-        threading.Thread(target=lambda c=c: found.append(runner.ensure_baseline(c, tmp_path))) for c in cfgs
+        threading.Thread(target=lambda c=c: found.append(baselines.ensure_baseline(c, tmp_path)))
+        for c in cfgs
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert calls == ["ar"] and len(set(found)) == 1 and (found[0] / METRICS_FILE).is_file()
+    assert (
+        calls == ["ssd.decoding.decoders.Autoregressive"]
+        and len(set(found)) == 1
+        and (found[0] / METRICS_FILE).is_file()
+    )

@@ -28,10 +28,10 @@ from tests.fixtures_eval import (
 def test_the_users_sweep_keys_are_top_level():
     cfg = compose_sweep_config(["beta=0.2", "draft_len=4", "theta=0.3"])
     assert cfg.acceptance._target_ == "ssd.decoding.acceptance.ToleranceRule" and cfg.acceptance.beta == 0.2
-    assert cfg.decoding.mode == "speculative" and cfg.decoding.draft_len == 4
+    assert cfg.decoding._target_.endswith("Speculative") and cfg.decoding.draft_len == 4
     assert compose_sweep_config(["acceptance=pcg", "theta=0.3"]).acceptance.theta == 0.3
-    assert compose_sweep_config(["decoding=ar"]).decoding.mode == "ar"
-    assert compose_sweep_config(["decoding=draft_only"]).decoding.mode == "draft_only"
+    assert compose_sweep_config(["decoding=ar"]).decoding._target_.endswith("Autoregressive")
+    assert compose_sweep_config(["decoding=draft_only"]).decoding._target_.endswith("DraftOnly")
     adaptive = compose_sweep_config(["decoding.adaptive.enabled=true"]).decoding.adaptive
     assert adaptive.enabled and adaptive.min_len <= adaptive.max_len
 
@@ -137,7 +137,7 @@ def test_multirun_writes_every_job_and_the_table_then_resumes(micro_world, tmp_p
         assert len(read_records(job / RESULTS_FILE)) == 2
         metrics = json.loads((job / METRICS_FILE).read_text())
         assert len(metrics["alpha_per_position"]) == metrics["draft_len"]
-    for name in ("table.md", "table.tex", "table.csv", "fig_rtf_acceptance_vs_draft_len.png",
+    for name in ("table.md", "table.tex", "table.csv", "fig_speedup_acceptance_vs_draft_len.png",
                  "fig_wer_sim_vs_beta.png", "fig_alpha_per_position.png"):  # fmt: skip
         assert (sweep_dir / name).is_file(), name
     assert (sweep_dir / "table.md").read_text().count("| speculative |") == 4
@@ -182,7 +182,8 @@ def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
 def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_baseline(micro_world, tmp_path):
     """The user's command names no decoding=ar: the first job runs the matching AR baseline once into
     <sweep>/baselines/ (same test list, seeds, target and sampling), the other reuses it, and every job's
-    metrics and the table carry speedup and ΔWER vs AR with its CI. Rerun: nothing is decoded again."""
+    metrics and the table carry its speedup (timed beside AR in the job, whose AR tokens are the baseline's)
+    and ΔWER vs AR, each with its CI. Rerun: nothing is decoded again."""
     config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=3, max_len=20)
     sweep_dir = tmp_path / "sweep"
     args = ["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
@@ -196,12 +197,15 @@ def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_base
     for job in _job_dirs(sweep_dir):
         metrics = json.loads((job / METRICS_FILE).read_text())
         assert metrics["baseline_dir"] == str(baseline)
-        assert metrics["speedup"] == pytest.approx(ar["lm_rtf"] / metrics["lm_rtf"])
+        records = read_records(job / RESULTS_FILE)
+        assert metrics["speedup_utterances"] == 3 and metrics["speedup"] == pytest.approx(
+            sum(r["baseline_lm_time"] for r in records) / sum(r["lm_time"] for r in records)
+        )
+        assert metrics["speedup_ci"][0] <= metrics["speedup"] <= metrics["speedup_ci"][1]
         assert metrics["paired_utterances"] == 3
         lo, hi = metrics["wer_delta_vs_ar_ci"]
         assert lo <= metrics["wer_delta_vs_ar"] <= hi
         # Same seeds per utterance as the baseline: the prompt's speech is identical.
-        records = read_records(job / RESULTS_FILE)
         assert [r["seed"] for r in records] == [ar_records[r["utt"]]["seed"] for r in records]
     header, _, *rows = (sweep_dir / "table.md").read_text().splitlines()
     assert "speedup" in header and "ΔWER vs AR" in header and "E2E-RTF" in header
@@ -211,7 +215,8 @@ def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_base
     for row in spec_rows:
         cells = row.split(" | ")
         assert (
-            cells[columns.index("speedup")] != "-" and cells[columns.index("ΔWER vs AR pts [95% CI]")] != "-"
+            cells[columns.index("speedup [95% CI]")] != "-"
+            and cells[columns.index("ΔWER vs AR pts [95% CI]")] != "-"
         )
 
     again = run_sweep(args)

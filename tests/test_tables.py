@@ -10,22 +10,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ssd.evaluation.metrics import summarize
+from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE
-from ssd.evaluation.tables import (
-    aggregate,
-    display_table,
-    load_runs,
-    matching_row,
-    run_setting_keys,
-    select_setting,
-    setting_keys,
-)
+from ssd.evaluation.selection import matching_row, select_setting
+from ssd.evaluation.tables import aggregate, display_table, load_runs, setting_keys
 from tests.fixtures_eval import REPO
 
 
-def _records(rng, n, rtf, wer, alpha, draft_len):
-    """Synthetic per-utterance records with a given LM-RTF, WER level and per-position acceptance."""
+def _records(rng, n, rtf, wer, alpha, draft_len, ar_rtf=None):
+    """Synthetic per-utterance records with a given LM-RTF, WER level and per-position acceptance; with `ar_rtf`,
+    each utterance also timed by the AR baseline beside it."""
     out = []
     for i in range(n):
         audio = float(rng.uniform(2, 6))
@@ -43,6 +37,7 @@ def _records(rng, n, rtf, wer, alpha, draft_len):
             "sim": float(rng.uniform(0.7, 0.8)), "target_calls": 20, "draft_calls": 20 * draft_len,
             "rounds": 20, "accepted_total": sum(accepted), "proposed": proposed, "accepted": accepted,
             "overlap_sum": [a * 1.0 for a in accepted], "tv_sum": [0.0] * draft_len, "finish_reason": "stop",
+            "baseline_lm_time": audio * ar_rtf * float(rng.uniform(0.9, 1.1)) if ar_rtf else None,
         })  # fmt: skip
     return out
 
@@ -54,18 +49,22 @@ def _write_run(run_dir, labels, records):
     (run_dir / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+AR_LABELS = {"decoding": "ar", "reference": True, "setting_keys": ["decoding"]}
+
+
 def make_sweep(root, split, ar_wer=0.10, seed=0):
     """AR + a 2x2 grid of (beta, L_d): beta=0.4 is faster but, at L_d=3, much worse."""
     rng = np.random.default_rng(seed)
     base = {"target": "toy", "eval": f"toy_{split}", "split": split}
-    _write_run(root / "decoding=ar", {**base, "decoding": "ar"}, _records(rng, 60, 0.5, ar_wer, 0, 0))
+    _write_run(root / "decoding=ar", {**base, **AR_LABELS}, _records(rng, 60, 0.5, ar_wer, 0, 0))
     for beta in (0.0, 0.4):
         for draft_len in (2, 3):
             rtf = 0.5 / (1.2 + beta + 0.1 * draft_len)
             wer = ar_wer + (0.3 if beta == 0.4 and draft_len == 3 else 0.0)
-            labels = {**base, "decoding": "speculative", "acceptance": "tolerance", "beta": beta,
-                      "draft_len": draft_len, "adaptive": False, "draft": "toy"}  # fmt: skip
-            records = _records(rng, 60, rtf, wer, 0.6 + beta / 2, draft_len)
+            labels = {**base, "decoding": "speculative", "draft": "toy", "acceptance": "tolerance", "beta": beta,
+                      "draft_len": draft_len, "adaptive": False, "reference": False,
+                      "setting_keys": ["decoding", "draft", "acceptance", "beta", "draft_len", "adaptive"]}  # fmt: skip
+            records = _records(rng, 60, rtf, wer, 0.6 + beta / 2, draft_len, ar_rtf=0.5)
             _write_run(root / f"beta={beta:g},draft_len={draft_len}", labels, records)
     return root
 
@@ -74,10 +73,13 @@ def test_aggregate_writes_tables_and_figures_with_speedups(tmp_path):
     sweep = make_sweep(tmp_path / "sweep", "test")
     table = aggregate(sweep)
     assert len(table) == 5 and table["decoding"].iloc[0] == "ar"  # AR first
-    ar_rtf = float(table.loc[table["decoding"] == "ar", "lm_rtf"].iloc[0])
     spec = table[table["decoding"] == "speculative"]
-    assert np.allclose(spec["speedup"], ar_rtf / spec["lm_rtf"])
-    assert float(table.loc[table["decoding"] == "ar", "speedup"].iloc[0]) == pytest.approx(1.0)
+    truth = 1.2 + spec["beta"] + 0.1 * spec["draft_len"]  # each run's AR beside it is this much slower
+    assert (spec["speedup_ci_lo"] < truth).all() and (truth < spec["speedup_ci_hi"]).all()
+    assert (spec["speedup_ci_hi"] - spec["speedup_ci_lo"] < 0.1 * truth).all()
+    assert (
+        table.loc[table["decoding"] == "ar", "speedup"].isna().all()
+    )  # the reference is not timed against itself
     for (
         _,
         row,
@@ -92,7 +94,7 @@ def test_aggregate_writes_tables_and_figures_with_speedups(tmp_path):
     csv = pd.read_csv(sweep / "table.csv")
     assert {"lm_rtf_ci_lo", "lm_rtf_ci_hi", "wer_ci_lo", "sim_ci_hi", "speedup"} <= set(csv.columns)
     for name in (
-        "fig_rtf_acceptance_vs_draft_len.png",
+        "fig_speedup_acceptance_vs_draft_len.png",
         "fig_wer_sim_vs_beta.png",
         "fig_alpha_per_position.png",
     ):
@@ -108,13 +110,19 @@ def test_failed_jobs_are_listed_not_hidden(tmp_path):
     assert "beta=-1,draft_len=2: ValueError: bad beta" in (sweep / "table.md").read_text()
 
 
-def test_explicit_baseline_run_sets_the_speedup(tmp_path):
+def test_an_explicit_baseline_run_is_what_quality_is_paired_against(tmp_path):
     sweep = make_sweep(tmp_path / "sweep", "test")
     baseline = tmp_path / "other_ar"
-    _write_run(baseline, {"decoding": "ar"}, _records(np.random.default_rng(5), 10, 1.0, 0.1, 0, 0))
-    base_rtf = json.loads((baseline / METRICS_FILE).read_text())["lm_rtf"]
+    worse_ar = _records(np.random.default_rng(5), 60, 1.0, 0.5, 0, 0)
+    _write_run(baseline, AR_LABELS, worse_ar)
     table = aggregate(sweep, baseline_dir=baseline, figures=False)
-    assert np.allclose(table["speedup"], base_rtf / table["lm_rtf"])
+    spec = table[table["decoding"] == "speculative"]
+    for _, row in spec.iterrows():
+        records = [json.loads(line) for line in (sweep / row["run"] / RESULTS_FILE).read_text().splitlines()]
+        assert row["wer_delta_vs_ar"] == pytest.approx(
+            paired_vs_ar(worse_ar, records, 1000, 0)["wer_delta_vs_ar"]
+        )
+    assert (spec["wer_delta_vs_ar"] < -5).all()  # against a baseline at 50 % WER, not the sweep AR at 10 %
 
 
 def test_select_on_dev_picks_the_fastest_setting_without_wer_loss(tmp_path):
@@ -148,11 +156,10 @@ def test_a_user_rules_parameter_gets_its_own_column_rows_and_figure(tmp_path):
     sweep = tmp_path / "sweep"
     rng = np.random.default_rng(3)
     base = {"target": "toy", "eval": "toy", "split": "test"}
-    _write_run(sweep / "decoding=ar", {**base, "decoding": "ar", "setting_keys": ["decoding"]},
-               _records(rng, 20, 0.5, 0.1, 0, 0))  # fmt: skip
+    _write_run(sweep / "decoding=ar", {**base, **AR_LABELS}, _records(rng, 20, 0.5, 0.1, 0, 0))
     for gamma in (0.5, 0.1):
         labels = {**base, "decoding": "speculative", "acceptance": "my_rule", "gamma": gamma, "draft_len": 3,
-                  "adaptive": False, "draft": "toy",
+                  "adaptive": False, "draft": "toy", "reference": False,
                   "setting_keys": ["decoding", "acceptance", "gamma", "draft_len", "adaptive"]}  # fmt: skip
         _write_run(sweep / f"gamma={gamma:g}", labels, _records(rng, 20, 0.4, 0.1, 0.7, 3))
     table = aggregate(sweep)
@@ -168,28 +175,6 @@ def test_a_user_rules_parameter_gets_its_own_column_rows_and_figure(tmp_path):
     assert (sweep / "fig_wer_sim_vs_gamma.png").stat().st_size > 1000  # the varying parameter is the x axis
     row = matching_row(table, table[table["gamma"] == 0.5].iloc[0])
     assert row["run"] == "gamma=0.5"
-
-
-def test_an_old_metrics_json_without_setting_keys_is_read_with_the_legacy_keys(tmp_path):
-    """Run dirs written before metrics.json listed `setting_keys`: decoding/acceptance/beta/theta/..."""
-    sweep = tmp_path / "sweep"
-    rng = np.random.default_rng(4)
-    base = {"target": "toy", "eval": "toy", "split": "test"}
-    _write_run(sweep / "decoding=ar", {**base, "decoding": "ar"}, _records(rng, 20, 0.5, 0.1, 0, 0))
-    for rule, key in (("pcg", "theta"), ("tolerance", "beta")):
-        labels = {**base, "decoding": "speculative", "acceptance": rule, key: 0.4, "draft_len": 3,
-                  "adaptive": False, "draft": "toy"}  # fmt: skip
-        _write_run(sweep / f"acceptance={rule}", labels, _records(rng, 20, 0.4, 0.1, 0.7, 3))
-    metrics = json.loads((sweep / "acceptance=pcg" / METRICS_FILE).read_text())
-    assert "setting_keys" not in metrics
-    assert run_setting_keys(metrics) == ["decoding", "acceptance", "theta", "draft_len", "adaptive"]
-    table = aggregate(sweep, figures=False)
-    assert setting_keys(table) == ["decoding", "acceptance", "beta", "theta", "draft_len", "adaptive"]
-    shown = display_table(table)
-    assert shown["rule"].tolist() == ["-", "pcg", "tolerance"]
-    assert shown["theta"].tolist() == ["-", "0.4", "-"] and shown["beta"].tolist() == ["-", "-", "0.4"]
-    pcg = matching_row(table, table[table["acceptance"] == "pcg"].iloc[0])
-    assert pcg["run"] == "acceptance=pcg"
 
 
 def test_make_tables_cli_prints_the_table_and_the_selection(tmp_path):
@@ -212,7 +197,7 @@ def test_the_table_pairs_each_setting_with_ar_on_the_same_utterances(tmp_path):
     ~+30 with a CI above 0, the settings built with AR's WER a CI that contains 0 (negative control)."""
     sweep = make_sweep(tmp_path / "sweep", "test")
     table = aggregate(sweep, figures=False)
-    spec = table[table["decoding"] == "speculative"].set_index(["beta", "draft_len"])
+    spec = table[table["acceptance"].notna()].set_index(["beta", "draft_len"])
     worse = spec.loc[(0.4, 3)]
     assert worse["wer_delta_vs_ar"] == pytest.approx(30, abs=8) and worse["wer_delta_vs_ar_ci_lo"] > 10
     for setting in ((0.0, 2), (0.0, 3), (0.4, 2)):
@@ -221,10 +206,13 @@ def test_the_table_pairs_each_setting_with_ar_on_the_same_utterances(tmp_path):
     shown = display_table(table)
     assert shown["ΔWER vs AR pts [95% CI]"].iloc[0] == "-"  # the AR row itself
     assert shown["ΔWER vs AR pts [95% CI]"].str.match(r"^-?\d+\.\d \[-?\d+\.\d, -?\d+\.\d\]$").iloc[1:].all()
-    # The run's own baseline (metrics.json from baseline_dir) wins over the sweep's AR for the speedup.
+    # The speedup is the run's own (timed beside its baseline), shown with its CI and the timed n.
     own = json.loads((sweep / "beta=0,draft_len=2" / METRICS_FILE).read_text())
-    (sweep / "beta=0,draft_len=2" / METRICS_FILE).write_text(json.dumps({**own, "speedup": 9.5}))
-    assert aggregate(sweep, figures=False).set_index("run").loc["beta=0,draft_len=2", "speedup"] == 9.5
+    paired = {"speedup": 1.25, "speedup_ci": [1.2, 1.31], "speedup_utterances": 40}
+    (sweep / "beta=0,draft_len=2" / METRICS_FILE).write_text(json.dumps({**own, **paired}))
+    shown = display_table(aggregate(sweep, figures=False)).set_index("run")
+    assert shown.loc["beta=0,draft_len=2", "speedup [95% CI]"] == "1.25 [1.20, 1.31]"
+    assert shown.loc["beta=0,draft_len=2", "timed n"] == "40"
 
 
 def test_e2e_rtf_and_throughput_come_from_the_records():
@@ -237,7 +225,7 @@ def test_e2e_rtf_and_throughput_come_from_the_records():
     m = summarize(records, 0)
     assert m["lm_rtf"] == pytest.approx(1.0 / 2.0)  # batch-1 latency: the timed record only
     assert m["e2e_rtf"] == pytest.approx(1.5 / 2.0)
-    assert m["vocoder_share"] == pytest.approx(0.5 / 1.5) and m["latency_utterances"] == 1
+    assert m["vocoder_share"] == pytest.approx(0.5 / 1.5) and m["timed_utterances"] == 1
     assert m["throughput_utts_per_sec"] == pytest.approx(2 / 0.5)
     assert m["throughput_tokens_per_sec"] == pytest.approx(150 / 0.5)
     old = [{k: v for k, v in r.items() if k != "vocoder_time"} for r in records]

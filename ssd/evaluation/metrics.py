@@ -4,7 +4,8 @@ Every metric is a ratio of sums or a mean over utterances, so one function compu
 records and the bootstrap simply recomputes it on utterances resampled with replacement (seeded).
 
 A record (one line of `utterances.jsonl`) carries the raw counts needed here:
-  lm_time (batch-1 LM time; null for an item of a batch that was not timed alone), vocoder_time,
+  lm_time (batch-1 LM time; null for an item that was not timed), baseline_lm_time (the baseline decoder's
+  batch-1 time on the same item, timed beside it in the same run; null without a baseline), vocoder_time,
   decode_time_share (its batched decode's time / the batch's rows), audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
   proposed / accepted / overlap_sum / tv_sum (per draft position), rounds, accepted_total,
   and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}; with a MOS judge
@@ -123,6 +124,30 @@ def bootstrap_ci(
     return float(lo), float(hi)
 
 
+def paired_speedup(records: Sequence[dict]) -> float:
+    """Σ baseline LM time / Σ LM time over utterances timed in pairs (a ratio of sums, so long utterances
+    weigh as much as the time they take)."""
+    return _ratio(_sum(records, "baseline_lm_time"), _sum(records, "lm_time"))
+
+
+def paired_speedup_ci(records: Sequence[dict], level: float = CI_LEVEL) -> tuple[float, float]:
+    """CI of `paired_speedup` (a ratio estimator): its linearised standard error sqrt(Σ (a_i - R o_i)² /
+    (n (n - 1))) / mean(o), with a t quantile. Computed in closed form rather than by the bootstrap, which
+    covers a ratio of sums over tens of utterances of unequal length a little less often than it claims
+    (tests/test_runner.py simulates both)."""
+    from scipy.stats import t
+
+    a = np.array([r["baseline_lm_time"] for r in records], dtype=float)
+    o = np.array([r["lm_time"] for r in records], dtype=float)
+    n = len(a)
+    if n < 2 or not o.sum():
+        return float("nan"), float("nan")
+    ratio = a.sum() / o.sum()
+    se = np.sqrt(((a - ratio * o) ** 2).sum() / (n * (n - 1))) / o.mean()
+    half = float(t.ppf(0.5 + level / 2, n - 1) * se)
+    return float(ratio - half), float(ratio + half)
+
+
 def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
     """The metrics.json summary of one run (see the module docstring for the record fields)."""
     if not records:
@@ -152,7 +177,7 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
             "lm_time": lm_time,
             "audio_sec": _sum(records, "audio_sec"),
             "tokens": int(tokens),
-            "latency_utterances": len(timed),  # timed alone: LM-RTF and E2E-RTF are over these
+            "timed_utterances": len(timed),  # timed at batch 1: LM-RTF and E2E-RTF are over these
             "tokens_per_sec": _ratio(_sum(timed, "n_tokens"), lm_time),  # batch 1
             "vocoder_share": _ratio(vocoder_time, lm_time + vocoder_time) if vocoder_time else float("nan"),
             # Throughput of the decode as run (batched when eval.batch_size > 1), LM stage only.
@@ -172,6 +197,12 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
             "sim_missing": sum(r.get("sim") is None for r in records),
         }
     )
+    paired = [r for r in records if r.get("baseline_lm_time") is not None and r.get("lm_time")]
+    if paired:  # timed beside the baseline in this run: the speedup, its CI, and what the pairs cost
+        out["speedup"] = paired_speedup(paired)
+        out["speedup_ci"] = list(paired_speedup_ci(paired))
+        out["speedup_utterances"] = len(paired)
+        out["baseline_lm_time"] = _sum(paired, "baseline_lm_time")
     if any("wrong_errors" in r for r in records):
         out["wer_wrong_sentence"] = wrong_sentence_wer(records)
         out["wer_wrong_sentence_ci"] = list(bootstrap_ci(records, wrong_sentence_wer, n_resamples, seed))

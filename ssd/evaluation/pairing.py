@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ssd.config import CONFIG_MODULE, group_options
 
@@ -39,16 +39,19 @@ def _describe(codes: int | None, rate: int | None) -> str:
     return " ".join(what)
 
 
-def check_pairing(cfg: DictConfig, speech_tokenizer: Any, target: Any, vocoder: Any) -> None:
+def check_pairing(
+    target_name: str, parts: dict[str, Any], speech_tokenizer: Any, target: Any, vocoder: Any
+) -> None:
     """Raise ValueError naming the three configs when the tokenizer, target and vocoder are not one
-    vocabulary (codebook sizes against the target's speech_token_size; token rates of tokenizer and vocoder)."""
+    vocabulary (codebook sizes against the target's speech_token_size; token rates of tokenizer and vocoder).
+    parts: the run's config nodes by key ("speech_tokenizer", "vocoder")."""
     tok_codes, tok_rate = _vocabulary(speech_tokenizer)
     voc_codes, voc_rate = _vocabulary(vocoder)
     target_codes = getattr(target, "speech_token_size", None)
     labels = {
-        "speech_tokenizer": config_label("speech_tokenizer", cfg.get("speech_tokenizer")),
-        "target": f"target={cfg.target.name}",
-        "vocoder": config_label("vocoder", cfg.get("vocoder")),
+        "speech_tokenizer": config_label("speech_tokenizer", parts.get("speech_tokenizer")),
+        "target": f"target={target_name}",
+        "vocoder": config_label("vocoder", parts.get("vocoder")),
     }
     problems = []
     if None not in (tok_codes, target_codes) and tok_codes != target_codes:
@@ -71,6 +74,6 @@ def check_pairing(cfg: DictConfig, speech_tokenizer: Any, target: Any, vocoder: 
             "; ".join(problems)
             + f" ({labels['speech_tokenizer']}, {labels['target']}, {labels['vocoder']}): "
             "the speech tokenizer, the target and the vocoder must be one vocabulary; choose the target's own "
-            f"codec (drop the speech_tokenizer= / vocoder= overrides, so target={cfg.target.name} brings its "
+            f"codec (drop the speech_tokenizer= / vocoder= overrides, so target={target_name} brings its "
             "own) or a target trained on these tokens"
         )

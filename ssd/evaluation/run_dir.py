@@ -7,7 +7,7 @@
     metrics.json        the summary; error.json when the job failed in a multirun
 
 A sweep dir holds one run dir per job and `baselines/<key>/`: the AR runs its jobs measure speedup and
-ΔWER against (`ssd.evaluation.runner.ensure_baseline`).
+ΔWER against (`ssd.evaluation.baselines.ensure_baseline`).
 
 Every file but the appended records is written atomically (temp + rename). A run holds `.lock` while it
 writes, so a second process (two sweeps into one dir, a joblib sweep with a repeated value) fails at once
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
 
@@ -97,9 +97,10 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_inputs(cfg: DictConfig) -> dict[str, dict]:
-    """{config key: fingerprint} of every existing file or dir that a run's model nodes name."""
-    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+def run_inputs(config: dict) -> dict[str, dict]:
+    """{config key: fingerprint} of every existing file or dir that a run's model nodes name (config: the
+    resolved config, as plain data)."""
+    flat = _flatten(config)
     return {
         key: fingerprint(value)
         for key, value in sorted(flat.items())
@@ -129,14 +130,14 @@ class RunDir:
     def results(self) -> Path:
         return self.path / RESULTS_FILE
 
-    def check_config(self, cfg: DictConfig, inputs: dict[str, dict]) -> None:
-        """Refuse to mix results of two configurations, or of other model files (`inputs`, from
-        `run_inputs`), in one run dir (before any model loads)."""
+    def check_config(self, config: dict, inputs: dict[str, dict]) -> None:
+        """Refuse to mix results of two configurations (the resolved config, as plain data), or of other model
+        files (`inputs`, from `run_inputs`), in one run dir (before any model loads)."""
         saved_path = self.path / CONFIG_FILE
         if not self.results.is_file() or not saved_path.is_file():
             return
         saved = OmegaConf.to_container(OmegaConf.load(saved_path))
-        now = OmegaConf.to_container(cfg, resolve=True)
+        now = config
         flat = [_flatten({k: v for k, v in c.items() if k not in NON_RESULT_KEYS}) for c in (saved, now)]
         differ = sorted(k for k in set(flat[0]) | set(flat[1]) if flat[0].get(k) != flat[1].get(k))
         if differ:
@@ -151,10 +152,10 @@ class RunDir:
                 "Resuming would mix two models in one table: choose a new output dir, or restore the files"
             )
 
-    def write_config(self, cfg: DictConfig, inputs: dict[str, dict]) -> None:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved[INPUTS_KEY] = inputs
-        write_atomic(self.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    def write_config(self, config: dict, inputs: dict[str, dict]) -> None:
+        write_atomic(
+            self.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create({**config, INPUTS_KEY: inputs}))
+        )
 
     def check_test_list(self, pairs) -> None:
         from ssd.data.libritts import load_table, save_table

@@ -2,10 +2,11 @@
 
 Hydra then rejects, when the config is composed, a key that does not exist (`eval.n_uts=4`, also
 inside YAML files) and a value of the wrong type (`draft_len=abc`, `eval.max_len=x`). The ranges
-Hydra cannot check (`draft_len=0`, `eval.max_len=-5`, `adaptive.min_len > max_len`, β < 0, θ outside
-(-1, 1)) are checked by `validate_sweep_config`, which the runner calls first, before any model loads.
-Swappable parts (target, draft, acceptance, speech_tokenizer, vocoder, asr, sim, mos) are `_target_` nodes:
-their keys are checked against the called class's signature.
+Hydra cannot check (`eval.max_len=-5`, β < 0, θ outside (-1, 1)) are checked by `validate_sweep_config`, and
+the decoder checks its own (`draft_len=0`, `adaptive.min_len > max_len`) when it is built; the runner does
+both first, before any model loads (`ssd.evaluation.settings`). Swappable parts (decoding, target, draft,
+acceptance, groups, speech_tokenizer, vocoder, asr, sim, mos) are `_target_` nodes: their keys are checked
+against the called class's signature.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ssd.training.schema import check_target_kwargs
 
-DECODING_MODES = ("speculative", "ar", "draft_only")
 SCHEMA_NAME = "sweep_schema"
 MAX_DIRNAME = 120
 
@@ -31,25 +31,6 @@ def job_dirname(override_dirname: str) -> str:
     if len(name) <= MAX_DIRNAME:
         return name
     return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
-
-
-@dataclass
-class AdaptiveConfig:
-    """HF assisted generation's heuristic: +increase after a fully accepted round, -decrease otherwise."""
-
-    enabled: bool = False
-    min_len: int = 1
-    max_len: int = 8
-    increase: int = 2
-    decrease: int = 1
-
-
-@dataclass
-class DecodingConfig:
-    mode: str = MISSING  # speculative | ar | draft_only
-    draft_len: int = 3
-    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
-    compile: bool = False  # compile the target's and the draft's decoding steps (`compile_decoding()`)
 
 
 @dataclass
@@ -69,7 +50,9 @@ class EvalConfig:
     slots: Any = None
     max_len: int | None = None  # cap on generated tokens (null = the target's own rule)
     batch_size: int = 1  # test items decoded at once; every record equals batch 1's (per-row seeds)
-    latency_utts: int | None = 8  # batch_size > 1: the first N items, decoded again alone and timed (LM-RTF)
+    # The first N items are timed at batch 1 (LM-RTF), each paired with the baseline decoded in the same process
+    # (the speedup and its CI); null: every item.
+    timed_utts: int | None = 40
     # Row-by-row numerics, so batch B equals batch 1 bit for bit; null: on CPU only.
     batch_invariant: bool | None = None
     warmup: bool = True
@@ -85,7 +68,8 @@ class SweepConfig:
     target: Any = MISSING
     draft: Any = None
     acceptance: Any = None
-    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    groups: Any = None  # PCG's token vectors (configs/groups/), interpolated into the rules that group tokens
+    decoding: Any = MISSING  # the decoder (configs/decoding/: ssd.decoding.decoders)
     eval: EvalConfig = field(default_factory=EvalConfig)
     speech_tokenizer: Any = None
     vocoder: Any = None
@@ -98,15 +82,13 @@ class SweepConfig:
     theta: float = 0.4
     draft_len: int = 3
     seed: int = 0
-    output_dir: str = MISSING
+    output_dir: str | None = MISSING  # the run dir (Hydra sets it; None where none is named yet)
     baseline_dir: str | None = None
     auto_baseline: bool = True  # a multirun job without decoding=ar runs/reuses the AR baseline (baselines/)
     progress: bool = True
     reproduce: Any = None  # the experiment driver's notes (configs/experiment/)
     toy_world: Any = None  # the toy world that target=toy reads (configs/toy_world/)
-    perturb: Any = (
-        None  # tokens rewritten before vocoding (PCG's stress test: ssd.decoding.acceptance.GroupSwap)
-    )
+    perturb: Any = None  # tokens rewritten before vocoding (PCG's stress test: ssd.decoding.pcg.GroupSwap)
 
 
 def plain(node: Any) -> Any:
@@ -122,27 +104,14 @@ def register_sweep_schema() -> None:
         OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
 
 
-def validate_sweep_config(cfg: DictConfig) -> None:
-    """Every range the types cannot express, in one error that names each key and what it must be."""
+def validate_sweep_config(cfg: DictConfig, needs: tuple[str, ...] = ()) -> None:
+    """Every range the types cannot express, in one error that names each key and what it must be; `needs`:
+    the config groups the decoder decodes with (they must be set)."""
     problems = []
-    mode = cfg.decoding.mode
-    if mode not in DECODING_MODES:
-        problems.append(f"decoding.mode={mode!r} must be one of {list(DECODING_MODES)}")
-    if mode == "speculative":
-        if int(cfg.decoding.draft_len) < 1:
-            problems.append(f"draft_len={cfg.decoding.draft_len} must be >= 1")
-        adaptive = cfg.decoding.adaptive
-        if adaptive.enabled and not 1 <= adaptive.min_len <= adaptive.max_len:
-            problems.append(
-                f"decoding.adaptive.min_len={adaptive.min_len} and max_len={adaptive.max_len} must satisfy "
-                "1 <= min_len <= max_len"
-            )
-        if adaptive.enabled and (adaptive.increase < 0 or adaptive.decrease < 0):
-            problems.append("decoding.adaptive.increase and decrease must be >= 0")
-        if cfg.acceptance is None:
-            problems.append("acceptance is null: choose a rule (acceptance=exact|tolerance|pcg|...)")
-    if mode in ("speculative", "draft_only") and cfg.draft is None:
-        problems.append(f"draft is null: decoding={mode} needs a draft (draft=toy)")
+    for key in needs:
+        if cfg.get(key) is None:
+            problems.append(f"{key} is null: the decoding ({cfg.decoding._target_}) needs one ({key}=<option of "
+                            f"configs/{key}/>)")  # fmt: skip
     for key in ("speech_tokenizer", "vocoder", "asr", "sim"):
         if cfg.get(key) is None:
             problems.append(
@@ -165,10 +134,8 @@ def validate_sweep_config(cfg: DictConfig) -> None:
             problems.append(f"eval.{key}={lo_hi} must be [min, max] seconds with 0 <= min <= max")
     if e.batch_size < 1:
         problems.append(f"eval.batch_size={e.batch_size} must be >= 1")
-    if e.latency_utts is not None and e.latency_utts < 1:
-        problems.append(
-            f"eval.latency_utts={e.latency_utts} must be >= 1 or null (null: time every item alone)"
-        )
+    if e.timed_utts is not None and e.timed_utts < 1:
+        problems.append(f"eval.timed_utts={e.timed_utts} must be >= 1 or null (null: time every item)")
     if e.batch_invariant and cfg.decoding.get("compile", False):
         problems.append(
             "eval.batch_invariant=true needs the eager decode path (per-row attention), and decoding.compile=true "
@@ -178,11 +145,22 @@ def validate_sweep_config(cfg: DictConfig) -> None:
         problems.append("eval.bootstrap_resamples and eval.num_audio_samples must be >= 0")
     if problems:
         raise ValueError("invalid sweep config: " + "; ".join(problems))
-    for key in ("target.model", "draft", "acceptance", "speech_tokenizer", "vocoder", "asr", "sim", "mos"):
+    for key in PART_NODES:
         node = OmegaConf.select(cfg, key)
         if isinstance(node, DictConfig) and "_target_" in node:
             check_target_kwargs(node, key, supplied=_SUPPLIED.get(key, ()))
 
 
-# Arguments the runner passes itself, beside a node's keys.
+# The `_target_` nodes of a run's parts, and the arguments the runner passes itself beside a node's keys.
+PART_NODES = (
+    "decoding",
+    "target.model",
+    "draft",
+    "acceptance",
+    "speech_tokenizer",
+    "vocoder",
+    "asr",
+    "sim",
+    "mos",
+)
 _SUPPLIED = {"draft": ("target",), "asr": ("closed_vocabulary",)}

@@ -1,21 +1,16 @@
 """One table (markdown, LaTeX, CSV) and a few figures over all runs of a sweep dir.
 
 `aggregate(sweep_dir)` reads every `metrics.json` below `sweep_dir` (and lists jobs that left an
-`error.json`), computes the speedup of each run against the `decoding=ar` run of the same sweep
-(same target and eval: add it to the sweep dir with `python sweep.py -m decoding=ar
-hydra.sweep.dir=<sweep dir>`, which also re-aggregates), or against a `baseline` run dir, adds the
-measured per-call costs (`add_cost_columns`), and writes `table.{md,tex,csv}` and `fig_*.png` into the
-sweep dir. The experiment driver (`ssd.experiments`) writes its tables with the same `write_table`.
+`error.json`), adds ΔWER, ΔSIM and ΔNMOS against the reference run of the same sweep (the target alone,
+`reference: true` in its metrics) or a `baseline` run dir, adds
+the measured per-call costs (`add_cost_columns`), and writes `table.{md,tex,csv}` and `fig_*.png` into the
+sweep dir (`ssd.evaluation.figures`). The experiment driver (`ssd.experiments`) writes its tables with the
+same `write_table`; `ssd.evaluation.selection` chooses a setting on a held-out split.
 
-A run's decoding setting is named by the keys listed in its metrics.json `setting_keys` (e.g.
-["decoding", "acceptance", "beta", "draft_len", "adaptive"]; a rule's own parameters, whatever their
-names, are among them). The table's setting columns are those keys over all runs (`setting_keys`);
+A run's decoding setting is named by the keys listed in its metrics.json `setting_keys` (its decoder's labels,
+e.g. ["decoding", "draft", "acceptance", "beta", "draft_len", "adaptive"]; a rule's own parameters, whatever
+their names, are among them). The table's setting columns are those keys over all runs (`setting_keys`);
 sorting, the shown columns, the figures' curves and matching a setting across sweeps all use them.
-
-Choosing beta / L_d on a held-out split (`select_setting`, `scripts/make_tables.py --select-on`):
-on the DEV sweep, keep the speculative settings whose WER bootstrap CI overlaps the AR baseline's WER CI
-(no detectable WER loss), take the one with the lowest LM-RTF, and report the SAME setting from the TEST
-sweep. Choosing on the test split itself would overstate the speedup that holds at equal quality.
 """
 
 from __future__ import annotations
@@ -31,13 +26,11 @@ import pandas as pd
 from ssd.evaluation.metrics import paired_vs_ar
 from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
 
-# The setting keys of run dirs written before metrics.json listed its own `setting_keys`.
-LEGACY_SETTING_KEYS = ("decoding", "acceptance", "beta", "theta", "draft_len", "adaptive")
 # Setting keys that are not an acceptance rule's own parameters.
-DECODING_KEYS = ("decoding", "acceptance", "draft_len", "adaptive")
+DECODING_KEYS = ("decoding", "draft", "acceptance", "draft_len", "adaptive")
 COLUMN_NAMES = {"acceptance": "rule", "draft_len": "L_d"}  # setting key -> table header
 SYMBOLS = {"beta": "β", "draft_len": "L_d"}  # setting key -> figure label
-COST_KEYS = ("time_draft", "draft_calls", "time_verify", "target_calls")
+COST_KEYS = ("time_draft", "draft_calls", "time_verify", "target_calls", "rounds")
 # Speculative - AR, paired by utterance (nmos: runs with a MOS judge).
 PAIRED_KEYS = ("wer_delta_vs_ar", "sim_delta_vs_ar", "nmos_delta_vs_ar")
 
@@ -47,19 +40,20 @@ PAIRED_KEYS = ("wer_delta_vs_ar", "sim_delta_vs_ar", "nmos_delta_vs_ar")
 # --------------------------------------------------------------------------------------------------
 
 
-def run_setting_keys(metrics: dict) -> list[str]:
-    """The keys naming one run's decoding setting: the `setting_keys` its metrics.json lists, or, for a
-    metrics.json written before the runner listed them (older run dirs), those of LEGACY_SETTING_KEYS it has."""
-    keys = metrics.get("setting_keys")
-    return list(keys) if keys is not None else [k for k in LEGACY_SETTING_KEYS if k in metrics]
+def reference_rows(table: pd.DataFrame) -> pd.Series:
+    """The finished runs every other run is compared with (the target alone, its tokens vocoded as generated)."""
+    return (table["status"] == "ok") & table["reference"].fillna(False).astype(bool)
+
+
+def verified_rows(table: pd.DataFrame) -> pd.Series:
+    """The finished runs whose drafts an acceptance rule verified (speculative decoding)."""
+    return (table["status"] == "ok") & table["acceptance"].notna()
 
 
 def setting_keys(table: pd.DataFrame) -> list[str]:
     """The setting keys over all runs of `table`, each run's order kept: the runs' distinct key lists are
     merged in sorted order (the same order for any subset of the runs), a key not listed yet going just
     before the next of its run's keys already listed (so `theta` lands next to `beta`, before `draft_len`)."""
-    if "setting_keys" not in table:  # a table that did not come from load_runs
-        return [k for k in LEGACY_SETTING_KEYS if k in table]
     keys: list[str] = []
     for text in sorted(table["setting_keys"].dropna().unique()):
         run_keys = [k for k in str(text).split(",") if k]
@@ -84,7 +78,11 @@ def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
                 row[f"{key}_lo"], row[f"{key}_hi"] = value
             elif not isinstance(value, (list, dict)):
                 row[key] = value
-        row["setting_keys"] = ",".join(run_setting_keys(metrics))
+        if "setting_keys" not in metrics or "reference" not in metrics:
+            raise ValueError(
+                f"{path} names no setting_keys/reference (an older ssd wrote it): rerun that job"
+            )
+        row["setting_keys"] = ",".join(metrics["setting_keys"])
         for i, (alpha, beta_t) in enumerate(zip(metrics.get("alpha_per_position", []),
                                                  metrics.get("beta_per_position", []))):  # fmt: skip
             row[f"alpha_{i + 1}"], row[f"beta_t_{i + 1}"] = alpha, beta_t
@@ -102,42 +100,19 @@ def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
             f"no {METRICS_FILE} (or {ERROR_FILE}) below {sweep_dir}: nothing to aggregate"
         )
     table = pd.DataFrame(rows)
-    for key in ("decoding", *setting_keys(table)):
+    for key in ("decoding", "acceptance", "reference", "setting_keys", *setting_keys(table)):
         if key not in table:
             table[key] = np.nan
     return table
 
 
 def _ar_runs(table: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
-    """The finished decoding=ar runs of `table` with the row's target and eval."""
-    same = (table["decoding"] == "ar") & (table["status"] == "ok")
-    if "swap_source" in table:  # PCG's stress test decodes AR too, but vocodes swapped tokens
-        same &= table["swap_source"].isna()
+    """The reference runs of `table` with the row's target and eval."""
+    same = reference_rows(table)
     for key in ("target", "eval"):
         if key in table:
             same &= table[key] == row.get(key)
     return table[same]
-
-
-def add_speedup(table: pd.DataFrame, baseline_rtf: float | None = None) -> pd.DataFrame:
-    """speedup = LM-RTF of the AR baseline / LM-RTF of the row. The baseline: `baseline_rtf` when given,
-    else the run's own (metrics.json `speedup`, from its baseline_dir: the AR run matched to it), else the
-    AR runs of the sweep with the same target and eval."""
-    table = table.copy()
-    own = table["speedup"] if "speedup" in table else pd.Series(np.nan, index=table.index)
-    speedups = []
-    for idx, row in table.iterrows():
-        rtf = row.get("lm_rtf")
-        base = baseline_rtf
-        if base is None and not pd.isna(own[idx]):
-            speedups.append(float(own[idx]))
-            continue
-        if base is None and row.get("status") == "ok":
-            ar = _ar_runs(table, row)
-            base = float(ar["lm_rtf"].mean()) if not ar.empty else None
-        speedups.append(base / rtf if base is not None and rtf and not math.isnan(rtf) else np.nan)
-    table["speedup"] = speedups
-    return table
 
 
 def add_paired_wer(
@@ -153,7 +128,7 @@ def add_paired_wer(
         for column in (key, f"{key}_ci_lo", f"{key}_ci_hi"):
             if column not in table or baseline_dir is not None:
                 table[column] = np.nan
-    for idx, row in table[(table["status"] == "ok") & (table["decoding"] != "ar")].iterrows():
+    for idx, row in table[(table["status"] == "ok") & ~reference_rows(table)].iterrows():
         if not pd.isna(row["wer_delta_vs_ar"]):
             continue
         if baseline_dir is not None:
@@ -191,38 +166,38 @@ def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
 
 
 def add_cost_columns(table: pd.DataFrame, sweep_dir: str | Path) -> pd.DataFrame:
-    """Per-call costs measured in each run, and the speedup they predict from the measured α:
-    c = draft call / AR target call, v = verify call / AR target call, predicted = E(α, L_d) / (L_d·c + v)."""
+    """Per-call costs measured in each run, in AR target calls, and the speedup they predict from the measured
+    α: c = the drafter's time per drafted token, d = its time per round (all of a round's drafting: k calls of an
+    autoregressive drafter, one of a block drafter), v = a verify call; predicted = E(α, L_d) / (d + v)."""
     sweep_dir = Path(sweep_dir)
     table = table.copy()
-    for column in ("c_draft", "verify_cost", "predicted_speedup"):
+    for column in ("c_draft", "draft_per_round", "verify_cost", "predicted_speedup"):
         table[column] = np.nan
-    ok = table["status"] == "ok"
-    ar = table[ok & (table["decoding"] == "ar")]
+    ar = table[reference_rows(table)]
     if ar.empty:
         return table
     ar_sums = [_run_sums(sweep_dir / run) for run in ar["run"]]
     t_ar = sum(s["time_verify"] for s in ar_sums) / max(1.0, sum(s["target_calls"] for s in ar_sums))
-    for idx, row in table[ok & (table["decoding"] == "speculative")].iterrows():
+    for idx, row in table[verified_rows(table)].iterrows():
         sums = _run_sums(sweep_dir / row["run"])
-        if not (sums["draft_calls"] and sums["target_calls"] and t_ar) or pd.isna(row.get("draft_len")):
+        if not (sums["draft_calls"] and sums["rounds"] and t_ar) or pd.isna(row.get("draft_len")):
             continue
         c = sums["time_draft"] / sums["draft_calls"] / t_ar
+        d = sums["time_draft"] / sums["rounds"] / t_ar
         v = sums["time_verify"] / sums["target_calls"] / t_ar
-        k = int(row["draft_len"])
-        table.loc[idx, ["c_draft", "verify_cost"]] = c, v
-        table.loc[idx, "predicted_speedup"] = expected_tokens_per_round(row["acceptance_rate"], k) / (
-            k * c + v
-        )
+        table.loc[idx, ["c_draft", "draft_per_round", "verify_cost"]] = c, d, v
+        table.loc[idx, "predicted_speedup"] = expected_tokens_per_round(
+            row["acceptance_rate"], int(row["draft_len"])
+        ) / (d + v)
     return table
 
 
 def _sort(table: pd.DataFrame) -> pd.DataFrame:
-    order = {"ar": 0, "draft_only": 1, "speculative": 2}
-    key = table["decoding"].map(order).fillna(3)
-    by = ["_order", *(k for k in setting_keys(table) if k != "decoding"), "run"]
+    """Reference runs first, then runs without a rule (draft alone, the stress test), then the rest by setting."""
+    order = (~reference_rows(table)).astype(int) + verified_rows(table).astype(int)
+    by = ["_order", *setting_keys(table), "run"]
     return (
-        table.assign(_order=key)
+        table.assign(_order=order)
         .sort_values(by, na_position="first")
         .drop(columns="_order")
         .reset_index(drop=True)
@@ -230,16 +205,12 @@ def _sort(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_table(sweep_dir: str | Path, baseline_dir: str | Path | None = None) -> pd.DataFrame:
-    """The full numeric table of a sweep dir (sorted, with speedups, paired ΔWER vs AR and per-call costs);
-    writes nothing."""
+    """The full numeric table of a sweep dir (sorted, with paired ΔWER vs AR and per-call costs); writes
+    nothing. Each run's speedup is its own, timed beside its baseline in its process (metrics.json)."""
     sweep_dir = Path(sweep_dir)
-    baseline_rtf = None
-    if baseline_dir is not None:
-        path = Path(baseline_dir) / METRICS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"baseline run dir {baseline_dir} has no {METRICS_FILE}")
-        baseline_rtf = float(json.loads(path.read_text())["lm_rtf"])
-    table = add_paired_wer(add_speedup(load_runs(sweep_dir), baseline_rtf), sweep_dir, baseline_dir)
+    if baseline_dir is not None and not (Path(baseline_dir) / METRICS_FILE).is_file():
+        raise FileNotFoundError(f"baseline run dir {baseline_dir} has no {METRICS_FILE}")
+    table = add_paired_wer(load_runs(sweep_dir), sweep_dir, baseline_dir)
     return add_cost_columns(_sort(table), sweep_dir)
 
 
@@ -290,7 +261,7 @@ def _throughput(row: pd.Series) -> str:
 def setting_of(row: pd.Series) -> dict[str, Any]:
     """The decoding setting of one table row, {key: plain value} (keys it does not have are left out)."""
     text = row.get("setting_keys")
-    keys = text.split(",") if isinstance(text, str) else [k for k in LEGACY_SETTING_KEYS if k in row.index]
+    keys = text.split(",") if isinstance(text, str) else []
     out = {}
     for key in keys:
         value = row.get(key)
@@ -334,7 +305,9 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     out = out.assign(**{
         "n": ok["num_utterances"].astype(int),
         "LM-RTF [95% CI]": [with_ci(r, "lm_rtf") for _, r in ok.iterrows()],
-        "speedup": ok["speedup"].map(lambda v: _fmt(v, 2)),
+        "speedup [95% CI]": [with_ci(r, "speedup", 2) for _, r in ok.iterrows()],
+        "timed n": ok.get("speedup_utterances", ok.get("timed_utterances", pd.Series(np.nan, index=ok.index)))
+        .map(lambda v: _fmt(v, 0)),
         # Runs written before these columns existed show "-".
         "E2E-RTF": ok.get("e2e_rtf", pd.Series(np.nan, index=ok.index)).map(_fmt),
         "vocoder % of E2E": ok.get("vocoder_share", pd.Series(np.nan, index=ok.index)).map(lambda v: _fmt(v * 100, 0)),
@@ -375,6 +348,7 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
         out["WER vs wrong text %"] = ok["wer_wrong_sentence"].map(lambda v: _fmt(v * 100, 1))
     if "predicted_speedup" in ok and ok["predicted_speedup"].notna().any():
         out["c (draft/AR call)"] = ok["c_draft"].map(_fmt)
+        out["drafting/round (AR calls)"] = ok["draft_per_round"].map(_fmt)
         out["verify/AR call"] = ok["verify_cost"].map(lambda v: _fmt(v, 2))
         out["predicted speedup"] = ok["predicted_speedup"].map(lambda v: _fmt(v, 2))
     return out.reset_index(drop=True)
@@ -417,195 +391,14 @@ def paper_table(rows: list[dict] | None) -> str:
     return to_markdown(frame)
 
 
-# --------------------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------------------
-
-
-def _curves(frame: pd.DataFrame, keys: list[str]):
-    """(label, rows) per distinct setting of `keys` in `frame`, in order of first appearance."""
-    labels = frame.apply(lambda row: _label({k: row.get(k) for k in keys}), axis=1)
-    return [(label, frame[labels == label]) for label in dict.fromkeys(labels)]
-
-
-def _varying_rule_parameters(spec: pd.DataFrame, keys: list[str]) -> list[str]:
-    """The numeric rule parameters (setting keys that are not DECODING_KEYS) taking several values."""
-    return [k for k in keys if k not in DECODING_KEYS and pd.api.types.is_numeric_dtype(spec[k])
-            and not pd.api.types.is_bool_dtype(spec[k]) and spec[k].dropna().nunique() > 1]  # fmt: skip
-
-
-def _figures(table: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """LM-RTF and acceptance vs L_d (a curve per rule setting), WER and SIM vs each numeric rule parameter
-    that varies (`fig_wer_sim_vs_<parameter>.png`, a curve per remaining setting), α per draft position."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    ok = table[table["status"] == "ok"]
-    spec = ok[ok["decoding"] == "speculative"]
-    ar = ok[ok["decoding"] == "ar"]
-    keys = setting_keys(table)
-    written = []
-    if spec.empty:
-        return written
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for label, group in _curves(spec, [k for k in keys if k not in ("decoding", "draft_len")]):
-        group = group.sort_values("draft_len")
-        err = [group["lm_rtf"] - group["lm_rtf_ci_lo"], group["lm_rtf_ci_hi"] - group["lm_rtf"]]
-        axes[0].errorbar(group["draft_len"], group["lm_rtf"], yerr=err, marker="o", capsize=3, label=label)
-        axes[1].plot(group["draft_len"], group["acceptance_rate"], marker="o", label=label)
-    for _, row in ar.iterrows():
-        axes[0].axhline(row["lm_rtf"], color="k", ls="--", lw=1, label="AR")
-    axes[0].set(xlabel="draft length L_d", ylabel="LM-RTF (lower is faster)", title="LM-RTF vs L_d")
-    axes[1].set(xlabel="draft length L_d", ylabel="acceptance rate", title="acceptance vs L_d")
-    for ax in axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend()
-        ax.grid(alpha=0.3)
-    written.append(_save(fig, out_dir / "fig_rtf_acceptance_vs_draft_len.png"))
-
-    for param in _varying_rule_parameters(spec, keys):
-        symbol = SYMBOLS.get(param, param)
-        rows = spec.dropna(subset=[param])
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for label, group in _curves(rows, [k for k in keys if k not in ("decoding", param)]):
-            group = group.sort_values(param)
-            for ax, key, scale in ((axes[0], "wer", 100), (axes[1], "sim", 1)):
-                err = [
-                    (group[key] - group[f"{key}_ci_lo"]) * scale,
-                    (group[f"{key}_ci_hi"] - group[key]) * scale,
-                ]
-                ax.errorbar(group[param], group[key] * scale, yerr=err, marker="o", capsize=3, label=label)
-        for _, row in ar.iterrows():
-            axes[0].axhspan(
-                row["wer_ci_lo"] * 100, row["wer_ci_hi"] * 100, color="k", alpha=0.1, label="AR 95% CI"
-            )
-            axes[1].axhspan(row["sim_ci_lo"], row["sim_ci_hi"], color="k", alpha=0.1, label="AR 95% CI")
-        axes[0].set(xlabel=symbol, ylabel="WER %", title=f"WER vs {symbol}")
-        axes[1].set(xlabel=symbol, ylabel="SIM to prompt", title=f"SIM vs {symbol}")
-        for ax in axes:
-            ax.legend()
-            ax.grid(alpha=0.3)
-        written.append(_save(fig, out_dir / f"fig_wer_sim_vs_{param}.png"))
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for _, row in spec.iterrows():
-        alphas = [
-            row[c] for c in sorted(c for c in row.index if c.startswith("alpha_")) if not pd.isna(row[c])
-        ]
-        ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=row["run"])
-    ax.set(
-        xlabel="draft position i", ylabel="α_i = P(keep token i | tokens before kept)", title="α per position"
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    written.append(_save(fig, out_dir / "fig_alpha_per_position.png"))
-    return written
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
-
-
 def aggregate(
     sweep_dir: str | Path, baseline_dir: str | Path | None = None, figures: bool = True
 ) -> pd.DataFrame:
     """Write table.{md,tex,csv} (+ figures) into `sweep_dir`; returns the full numeric table."""
+    from ssd.evaluation.figures import write_figures
+
     table = build_table(sweep_dir, baseline_dir)
     write_table(table, sweep_dir, "table")
     if figures:
-        _figures(table, Path(sweep_dir))
+        write_figures(table, Path(sweep_dir))
     return table
-
-
-# --------------------------------------------------------------------------------------------------
-# Choosing a setting
-# --------------------------------------------------------------------------------------------------
-
-
-def select_setting(dev: pd.DataFrame) -> pd.Series:
-    """On a DEV table: the fastest speculative setting whose WER CI overlaps the AR run's WER CI."""
-    ok = dev[dev["status"] == "ok"]
-    ar = ok[ok["decoding"] == "ar"]
-    if ar.empty:
-        raise ValueError("select_setting: the dev sweep has no decoding=ar run to compare WER against")
-    ar_lo, ar_hi = float(ar["wer_ci_lo"].min()), float(ar["wer_ci_hi"].max())
-    spec = ok[ok["decoding"] == "speculative"]
-    eligible = spec[(spec["wer_ci_lo"] <= ar_hi) & (spec["wer_ci_hi"] >= ar_lo)]
-    if eligible.empty:
-        raise ValueError(
-            f"select_setting: no speculative setting has a WER CI overlapping the AR baseline's "
-            f"[{ar_lo:.3f}, {ar_hi:.3f}]; all lose measurable quality"
-        )
-    return eligible.sort_values("lm_rtf").iloc[0]
-
-
-def matching_row(table: pd.DataFrame, setting: pd.Series) -> pd.Series:
-    """The row of `table` with the same decoding setting as `setting` (every setting key of either: a key
-    the row lacks must be missing in `table` too)."""
-    ok = table[table["status"] == "ok"]
-    keys = list(dict.fromkeys([*setting_keys(table), *setting_of(setting)]))
-    mask = pd.Series(True, index=ok.index)
-    for key in keys:
-        value = setting.get(key)
-        column = ok[key] if key in ok else pd.Series(np.nan, index=ok.index)
-        mask &= column.isna() if _missing(value) else column == value
-    if not mask.any():
-        raise ValueError(f"the test sweep has no run with the setting chosen on dev: {setting_of(setting)}")
-    return ok[mask].iloc[0]
-
-
-def select_on_dev(dev: pd.DataFrame, test: pd.DataFrame) -> tuple[str, pd.DataFrame | None]:
-    """The reviewer's protocol: choose on dev (select_setting), report the same setting on test.
-    Returns the text and the test rows to show (AR and the chosen setting), or None."""
-    try:
-        chosen = select_setting(dev)
-    except ValueError as err:
-        return f"No setting chosen on dev: {err}.\n", None
-    text = (
-        f"Chosen on the dev split (fastest speculative setting whose WER CI overlaps AR's): "
-        f"**{describe_setting(chosen)}** (dev LM-RTF {with_ci(chosen, 'lm_rtf')}, dev WER % "
-        f"{with_ci(chosen, 'wer', 1, 100)}).\n"
-    )
-    try:
-        row = matching_row(test, chosen)
-    except ValueError as err:
-        return text + f"{err}\n", None
-    ar = test[(test["decoding"] == "ar") & (test["status"] == "ok")]
-    return text + "The same setting on the test split:\n\n", test.loc[[*ar.index, row.name]]
-
-
-def matched_speed(
-    table: pd.DataFrame, reference: dict, candidates: dict, by: str = "speedup"
-) -> tuple[str, pd.DataFrame | None]:
-    """The `reference` row (e.g. {acceptance: tolerance, beta: 0.4}) and the `candidates` row (e.g.
-    {acceptance: pcg}) with the closest `by` (speedup, or e.g. acceptance_rate), shown with AR and the exact
-    rules' rows."""
-    ok = table[(table["status"] == "ok") & (table["decoding"] == "speculative")]
-
-    def rows_like(setting: dict) -> pd.DataFrame:
-        mask = pd.Series(True, index=ok.index)
-        for key, value in setting.items():
-            mask &= (ok[key] == value) if key in ok else False
-        return ok[mask]
-
-    ref_rows, cand_rows = rows_like(reference), rows_like(candidates).dropna(subset=[by])
-    if ref_rows.empty or cand_rows.empty or pd.isna(ref_rows[by].iloc[0]):
-        return f"Matched {by}: the reference or candidate runs (or the AR baseline) are missing.\n", None
-    ref = ref_rows.iloc[0]
-    best = cand_rows.loc[(cand_rows[by] - ref[by]).abs().idxmin()]
-    ar = table[(table["decoding"] == "ar") & (table["status"] == "ok")]
-    beta = ok["beta"] if "beta" in ok else pd.Series(np.nan, index=ok.index)
-    exact = ok[(ok["acceptance"] == "exact") | ((ok["acceptance"] == "tolerance") & (beta == 0))]
-    text = (
-        f"Matched {by}: {describe_setting(ref)} has {by} {ref[by]:.3f} (speedup {ref['speedup']:.2f}x); the "
-        f"closest candidate is {describe_setting(best)} at {best[by]:.3f} (speedup {best['speedup']:.2f}x).\n\n"
-    )
-    return text, table.loc[[*ar.index, *exact.index, ref.name, best.name]]

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from ssd.evaluation.schema import plain
 from ssd.tracking import wandb_mode
 
@@ -42,10 +40,11 @@ def _wandb_run_names() -> tuple[str | None, str | None]:
 
 
 def log_to_wandb(
-    cfg: DictConfig, run_dir: Path, metrics: dict, records: list[dict], audio_dir: Path, n_audio: int
+    config: dict, run_dir: Path, metrics: dict, records: list[dict], audio_dir: Path, n_audio: int
 ) -> None:
-    """Mirror one finished run (no-op unless cfg.logger logs to W&B); the first n_audio wavs of audio_dir."""
-    settings = wandb_settings(cfg.get("logger"))
+    """Mirror one finished run (no-op unless config["logger"] logs to W&B); the first n_audio wavs of
+    audio_dir. config: the run's resolved config, as plain data."""
+    settings = wandb_settings(config.get("logger"))
     if settings is None:
         return
     import wandb
@@ -60,7 +59,7 @@ def log_to_wandb(
         job_type="eval",
         mode=wandb_mode(settings.get("offline"), settings.get("mode")),
         dir=str(settings.get("save_dir") or run_dir),
-        config=plain(cfg),
+        config=config,
         reinit="finish_previous",
     )
     try:
