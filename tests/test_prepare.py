@@ -142,11 +142,12 @@ def test_bad_arguments_are_named(setup, tmp_path):
 
 
 def test_toy_codec_kind(setup, tmp_path):
-    toy_codec = pytest.importorskip("ssd.toy_world.codec")
+    from ssd.toy_world.codec_fit import fit_codec
+
     corpus, out, kwargs = setup
     wavs = sorted(str(p) for p in corpus.rglob("*.wav"))[:4]
     with pytest.raises(FileNotFoundError, match="no phone alignment.*codec.features=log_mel"):
-        toy_codec.ToyCodec.fit(wavs, {"codebook_size": 8}, seed=0, progress=False)
+        fit_codec(wavs, {"codebook_size": 8}, seed=0, progress=False)
     cfg = {
         "features": "log_mel",  # this corpus has no flite alignments
         "codebook_size": 8,
@@ -155,7 +156,7 @@ def test_toy_codec_kind(setup, tmp_path):
         "decoder_train_seconds": 1.0,
         "decoder_channels": 8,
     }
-    toy_codec.ToyCodec.fit(wavs, cfg, seed=0, progress=False).save(tmp_path / "codec")
+    fit_codec(wavs, cfg, seed=0, progress=False).save(tmp_path / "codec")
     report = prepare_corpus(
         corpus,
         out,

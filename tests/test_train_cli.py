@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
+from ssd.drafters.layers import load_draft
 from ssd.models.cosyvoice2 import CosyVoice2LM
-from ssd.models.draft import load_draft
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -12,8 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ssd.decoding.sampling import SamplingConfig
+from ssd.drafters.base import model_outputs
+from ssd.drafters.layers import build_draft, load_draft
 from ssd.models.cosyvoice2 import CosyVoice2LM
-from ssd.models.draft import build_draft, load_draft
 from ssd.training.data import TokenShardDataModule, pad_collate
 from ssd.training.module import SpeechLMTrainingModule
 from ssd.training.schema import OptimConfig, register_schema, validate_train_config
@@ -94,7 +96,8 @@ def test_only_trainable_tensors_change_and_frozen_modules_stay_in_eval(training_
 
 def test_training_lowers_the_loss_on_micro_data(training_world):
     target = CosyVoice2LM.from_dir(training_world["target"])
-    module = SpeechLMTrainingModule(target, optim=OptimConfig(lr=3e-3, warmup_steps=5), max_steps=60)
+    module = SpeechLMTrainingModule(target, outputs=partial(model_outputs, target),
+                                    optim=OptimConfig(lr=3e-3, warmup_steps=5), max_steps=60)  # fmt: skip
     batches = _all_batches(training_world)
 
     def mean_ce():
@@ -116,7 +119,7 @@ def test_kd_is_zero_and_agreement_perfect_when_draft_equals_target(training_worl
     batch = _all_batches(training_world, "dev")[0]
     out = module.compute(batch, with_teacher=True)
     assert out["kl"].abs().item() < 1e-6
-    agree = module.agreement(out["logits"], out["teacher_logits"], batch)
+    agree = module.agreement(out["logits"], out["teacher_logits"], out["scored"], batch)
     assert agree["alpha_softmax"].item() == pytest.approx(1.0, abs=1e-5)
     assert agree["alpha_target_sampling"].item() == pytest.approx(1.0, abs=1e-5)
     assert agree["top1_agreement"].item() == 1.0
@@ -129,7 +132,9 @@ def test_kd_is_zero_and_agreement_perfect_when_draft_equals_target(training_worl
     ).mean()
     assert out["kl"].item() == pytest.approx(reference.item(), rel=1e-4) and out["kl"].item() > 1e-3
     assert out["loss"].item() == pytest.approx(0.5 * out["ce"].item() + 0.5 * out["kl"].item(), rel=1e-5)
-    alpha = shallow.agreement(out["logits"], out["teacher_logits"], batch)["alpha_softmax"].item()
+    alpha = shallow.agreement(out["logits"], out["teacher_logits"], out["scored"], batch)[
+        "alpha_softmax"
+    ].item()
     assert 0.0 < alpha < 0.999
 
 
@@ -139,7 +144,9 @@ def test_sampling_context_gives_each_position_its_teacher_forced_window():
         "speech_lens": torch.tensor([3, 1]),
         "text_lens": torch.tensor([2, 4]),
     }
-    windows, steps, min_len = SpeechLMTrainingModule.sampling_context(batch, 2, torch.tensor([4, 8]))
+    rows, scored_steps = torch.tensor([0, 0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1])
+    windows, steps, min_len = SpeechLMTrainingModule.sampling_context(batch, 2, torch.tensor([4, 8]), rows,
+                                                                      scored_steps)  # fmt: skip
     # row 0 scores 4 positions (3 tokens + EOS), row 1 scores 2, in row-major order
     assert windows.tolist() == [[-1, -1], [-1, 5], [5, 6], [6, 7], [-1, -1], [-1, 8]]
     assert steps.tolist() == [0, 1, 2, 3, 0, 1]

@@ -147,6 +147,12 @@ def _write_shard(path: Path, rows: list[dict], tokenizer: SpeechTokenizer) -> tu
         for name in ("utt", "speaker", "subset", "text", "text_tokens", "duration"):
             columns[name].append(row[name])
         columns["speech_tokens"].append(np.asarray(speech, dtype=np.int32))
+    return write_shard(path, columns, failed)
+
+
+def write_shard(path: Path, columns: dict[str, list], failed: list[str]) -> tuple[int, int, list[str]]:
+    """One shard (columns SHARD_COLUMNS; `failed`: the utterances left out, in its metadata), written to a
+    temporary name and renamed when complete; returns (rows, speech tokens, failures)."""
     table = pa.table(columns, schema=SHARD_SCHEMA).replace_schema_metadata({FAILED_KEY: json.dumps(failed)})
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
@@ -159,7 +165,7 @@ def _worker_write_shard(task: tuple[Path, list[dict]]) -> tuple[int, int, list[s
     return _write_shard(task[0], task[1], _worker_tokenizer)
 
 
-def _finished_shard(path: Path) -> tuple[int, int, list[str]] | None:
+def finished_shard(path: Path) -> tuple[int, int, list[str]] | None:
     """(rows, speech tokens, failures) of a complete shard, or None when it must be (re)written."""
     if not path.is_file():
         return None
@@ -183,7 +189,7 @@ def _shard_plan(settings: dict, kept: pd.DataFrame, shard_size: int) -> dict:
     return {"settings": settings, "shards": shards}
 
 
-def _check_or_write_plan(out_dir: Path, plan: dict) -> None:
+def check_or_write_plan(out_dir: Path, plan: dict) -> None:
     plan_path = out_dir / "plan.json"
     text = json.dumps(plan, indent=1, sort_keys=True)
     if plan_path.is_file():
@@ -275,7 +281,7 @@ def prepare_corpus(
     }
     keep = manifest["drop_reason"] == ""
     plan = _shard_plan(settings, manifest[keep], shard_size)
-    _check_or_write_plan(out_dir, plan)
+    check_or_write_plan(out_dir, plan)
     save_table(manifest, out_dir / "manifest.jsonl")
 
     report = PrepareReport(
@@ -297,7 +303,7 @@ def prepare_corpus(
     pending = []
     for shard in plan["shards"]:
         path = out_dir / shard["name"]
-        done = _finished_shard(path)
+        done = finished_shard(path)
         if done is None:
             pending.append((path, [rows_by_utt[u] for u in shard["utts"]]))
         else:

@@ -1,8 +1,11 @@
-"""One LightningModule that trains any speech LM with `training_logits` (a draft or a target).
+"""One LightningModule that trains any drafter (or the target itself) from teacher-forced outputs.
 
-Loss, in the model's own layout (`training_logits`; CosyVoice 2's: docs/targets.md §2.2): cross-entropy on the speech tokens + EOS,
-summed over non-ignored positions and divided by their number. With a frozen teacher (the
-target) and kd_weight w > 0:
+`outputs(batch, teacher) -> ssd.contracts.TrainingOutputs` gives the trained model's logits at its scored
+predictions, the data's labels and the frozen target's logits for the same predictions: a drafter's own
+`training_outputs` (heads predict several positions ahead, a layer draft the next one), or
+`ssd.drafters.base.model_outputs` for a model trained at its own positions (the target, in CosyVoice 2's
+layout: docs/targets.md §2.2). Loss: cross-entropy over the scored predictions (speech tokens + EOS), summed
+and divided by their number. With a frozen teacher (the target) and kd_weight w > 0:
 
     loss = (1 - w)·CE + w·T²·KL(q_T || p_T)        q = target, p = the trained model, at temperature T
 
@@ -24,6 +27,7 @@ target, windows and min_len taken from the teacher-forced tokens).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.contracts import IGNORE_INDEX
+from ssd.contracts import TrainingOutputs
 from ssd.decoding.sampling import SamplingConfig, distribution
 from ssd.training.schema import OptimConfig
 
@@ -49,16 +53,20 @@ class SpeechLMTrainingModule(L.LightningModule):
         model: nn.Module,
         teacher: nn.Module | None = None,
         *,
+        outputs: Callable[[dict, nn.Module | None], TrainingOutputs] | None = None,
         optim: OptimConfig | None = None,
         max_steps: int = 1000,
         kd_weight: float = 0.0,
         kd_temperature: float = 1.0,
         agreement_sampling: SamplingConfig | None = None,
     ) -> None:
+        """outputs: the model's teacher-forced outputs (default: its own `training_outputs`)."""
         super().__init__()
-        if not hasattr(model, "training_logits"):
+        self.outputs = outputs or getattr(model, "training_outputs", None)
+        if self.outputs is None:
             raise TypeError(
-                f"{type(model).__name__} has no training_logits(text_ids, text_lens, speech_tokens, speech_lens)"
+                f"{type(model).__name__} has no training_outputs(batch, teacher): give the module `outputs=` "
+                "(ssd.drafters.base.model_outputs for a model trained at its own positions)"
             )
         if kd_weight > 0 and teacher is None:
             raise ValueError("kd_weight > 0 needs a teacher (the frozen target)")
@@ -152,15 +160,6 @@ class SpeechLMTrainingModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # --- the loss --------------------------------------------------------------------------------
-    @staticmethod
-    def _scored(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [N, V] float32, labels [N]) at the N non-ignored positions of the batch, row-major."""
-        logits, targets = model.training_logits(
-            batch["text_ids"], batch["text_lens"], batch["speech_tokens"], batch["speech_lens"]
-        )
-        keep = targets != IGNORE_INDEX
-        return logits[keep].float(), targets[keep]
-
     def kd_kl(self, teacher_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """T²·mean over positions of KL(softmax(t/T) || softmax(s/T))."""
         t = self.kd_temperature
@@ -169,8 +168,9 @@ class SpeechLMTrainingModule(L.LightningModule):
         return F.kl_div(log_p, log_q, log_target=True, reduction="batchmean") * t * t
 
     def compute(self, batch: dict, with_teacher: bool) -> dict[str, torch.Tensor]:
-        """Loss terms and data accuracy (+ teacher logits when asked), averaged over scored positions."""
-        logits, labels = self._scored(self.model, batch)
+        """Loss terms and data accuracy (+ teacher logits when asked), averaged over scored predictions."""
+        scored = self.outputs(batch, self.teacher if with_teacher else None)
+        logits, labels = scored.logits.float(), scored.labels
         if labels.numel() == 0:
             raise ValueError(f"batch {batch['utt'][:3]}... has no scored positions")
         ce = F.cross_entropy(logits, labels, reduction="sum") / labels.numel()
@@ -179,15 +179,12 @@ class SpeechLMTrainingModule(L.LightningModule):
             "acc": (logits.argmax(-1) == labels).float().mean(),
             "logits": logits,
             "labels": labels,
+            "scored": scored,
         }
         kl = None
-        if with_teacher and self.teacher is not None:
-            with torch.no_grad():
-                teacher_logits, teacher_labels = self._scored(self.teacher, batch)
-            if not torch.equal(teacher_labels, labels):
-                raise RuntimeError("teacher and model disagree on the target layout of a batch")
-            out["teacher_logits"] = teacher_logits
-            kl = self.kd_kl(teacher_logits, logits)
+        if scored.teacher is not None:
+            out["teacher_logits"] = scored.teacher
+            kl = self.kd_kl(scored.teacher, logits)
             out["kl"] = kl
         out["loss"] = (
             ce if self.kd_weight == 0 or kl is None else (1 - self.kd_weight) * ce + self.kd_weight * kl
@@ -220,7 +217,7 @@ class SpeechLMTrainingModule(L.LightningModule):
         n = out["labels"].numel()
         values = {k: out[k] for k in ("loss", "ce", "kl", "acc") if k in out}
         if "teacher_logits" in out:
-            values.update(self.agreement(out["logits"], out["teacher_logits"], batch))
+            values.update(self.agreement(out["logits"], out["teacher_logits"], out["scored"], batch))
         for key, value in values.items():
             total = self._dev_sums.setdefault(key, torch.zeros(2, dtype=torch.float64, device=value.device))
             total += torch.stack([value.detach().double() * n, total.new_tensor(n)])
@@ -236,7 +233,7 @@ class SpeechLMTrainingModule(L.LightningModule):
         self._dev_sums = {}
 
     def agreement(
-        self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: dict
+        self, logits: torch.Tensor, teacher_logits: torch.Tensor, scored: TrainingOutputs, batch: dict
     ) -> dict[str, torch.Tensor]:
         """Per-batch means over positions of the draft-target agreement measures (see module doc)."""
         p, q = logits.softmax(-1), teacher_logits.softmax(-1)
@@ -247,7 +244,9 @@ class SpeechLMTrainingModule(L.LightningModule):
         cfg = self.agreement_sampling
         if cfg is not None:
             row_min_len = self.teacher.min_speech_tokens(batch["text_lens"].to(teacher_logits.device))
-            window, step, min_len = self.sampling_context(batch, cfg.window, row_min_len)
+            window, step, min_len = self.sampling_context(
+                batch, cfg.window, row_min_len, scored.rows, scored.steps
+            )
             ps = distribution(cfg, logits, window, step, min_len)
             qs = distribution(cfg, teacher_logits, window, step, min_len)
             # Undefined where the law is: eos_mode="resample" before min_len with a nucleus of stop
@@ -259,16 +258,15 @@ class SpeechLMTrainingModule(L.LightningModule):
 
     @staticmethod
     def sampling_context(
-        batch: dict, window_size: int, row_min_len: torch.Tensor
+        batch: dict, window_size: int, row_min_len: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For every scored position (row-major, as `_scored`): the last `window_size` teacher-forced
-        speech tokens before it (-1 where fewer), its step (index among generated tokens) and its row's
-        min_len (`row_min_len` [B], the target's `min_speech_tokens` of the text)."""
-        speech, speech_lens = batch["speech_tokens"], batch["speech_lens"]
-        rows, width = speech.shape
-        steps = torch.arange(width + 1, device=speech.device)
-        padded = F.pad(speech, (window_size, 0), value=-1)  # position j's window = padded[j : j + W]
-        windows = padded.unfold(1, window_size, 1) if window_size else speech.new_empty(rows, width + 1, 0)
-        scored = steps[None, :] <= speech_lens[:, None]  # speech_len tokens + EOS per row
-        min_len = row_min_len.to(speech.device)[:, None].expand(rows, width + 1)
-        return windows[scored], steps.expand(rows, -1)[scored], min_len[scored]
+        """For every scored prediction (batch row `rows`, generated-token index `steps`): the last `window_size`
+        teacher-forced speech tokens before it (-1 where fewer), its step and its row's min_len (`row_min_len`
+        [B], the target's `min_speech_tokens` of the text)."""
+        speech = batch["speech_tokens"]
+        batch_rows, width = speech.shape
+        padded = F.pad(speech, (window_size, 0), value=-1)  # step j's window = padded[j : j + W]
+        windows = (
+            padded.unfold(1, window_size, 1) if window_size else speech.new_empty(batch_rows, width + 1, 0)
+        )
+        return windows[rows, steps], steps, row_min_len.to(speech.device)[rows]

@@ -8,7 +8,7 @@ A diverged run (non-finite loss) stops with an error and exports nothing.
 Run directory (`cfg.output_dir`):
     checkpoints/last.ckpt          Lightning checkpoint (trainable tensors + optimizer + loop state):
                                    a rerun into the same directory resumes from it
-    checkpoints/draft-best.pt      best dev alpha so far, draft format of ssd.models.draft.save_draft
+    checkpoints/draft-best.pt      best dev alpha so far, draft format of ssd.drafters.layers.save_draft
     draft.pt | target/             the final model (draft checkpoint, or a CosyVoice 2 model dir)
     before_training.json           dev metrics before the first step (kept across resumes)
     run.json                       the target's file fingerprints + the draft recipe: a resume must match them
@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from ssd.drafters.base import model_outputs
+from ssd.drafters.layers import describe
 from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
-from ssd.models.draft import Draft, describe, save_draft
 from ssd.tracking import wandb_mode
 from ssd.training.data import check_text_tokenizer
 from ssd.training.module import SpeechLMTrainingModule
@@ -47,17 +49,15 @@ BEFORE_FILE = "before_training.json"
 RUN_FILE = "run.json"  # what the run trains (target files, draft recipe), checked when it resumes
 
 
-def export_model(model: torch.nn.Module, path: str | Path) -> Path:
-    """A draft -> save_draft's file at `path`; a target -> its own model-dir format at `path`. A model with a
-    non-finite trained tensor is never exported."""
+def export_model(model: torch.nn.Module, path: str | Path, draft: bool) -> Path:
+    """A drafter -> its checkpoint at `path` (`save`: trained tensors + recipe + target fingerprint); a target ->
+    its own model-dir format at `path`. A model with a non-finite trained tensor is never exported."""
     broken = [k for k, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
     if broken:
         raise FloatingPointError(
             f"not exporting {path}: trained tensors {broken[:4]} hold NaN/inf (training diverged)"
         )
-    if isinstance(model, Draft):
-        return save_draft(path, model)
-    return model.save_dir(path)
+    return model.save(path) if draft else model.save_dir(path)
 
 
 class ExportCheckpoint(ModelCheckpoint):
@@ -67,11 +67,12 @@ class ExportCheckpoint(ModelCheckpoint):
 
     def __init__(self, draft: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.draft = draft
         self.FILE_EXTENSION = ".pt" if draft else ""
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         if trainer.is_global_zero:
-            export_model(trainer.lightning_module.model, filepath)
+            export_model(trainer.lightning_module.model, filepath, self.draft)
         trainer.strategy.barrier()
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
@@ -121,7 +122,8 @@ def _final_line(model_is_draft: bool, before: dict[str, float], after: dict[str,
 def run_identity(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
     """What a resumed training must share with the run it continues: the target's files and the recipe of
     what is trained (a longer max_steps or another lr is a legitimate resume; another model is not)."""
-    recipe = asdict(model.recipe) if isinstance(model, Draft) else None
+    recipe = None if cfg.train_target else model.recipe
+    recipe = asdict(recipe) if is_dataclass(recipe) else recipe
     return {
         "train_target": bool(cfg.train_target),
         "draft_recipe": json.loads(json.dumps(recipe)) if recipe else None,  # tuples -> lists, as stored
@@ -171,9 +173,11 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     sampling = None
     if cfg.agreement_sampling and teacher is not None and cfg.target.get("sampling") is not None:
         sampling = instantiate(cfg.target.sampling, stop_tokens=list(teacher.stop_tokens))
+    draft = not cfg.train_target
     module = SpeechLMTrainingModule(
         model,
         teacher,
+        outputs=None if draft else partial(model_outputs, model),
         optim=OmegaConf.to_object(cfg.optim) if isinstance(cfg.optim, DictConfig) else OptimConfig(),
         max_steps=cfg.max_steps,
         kd_weight=cfg.kd_weight,
@@ -186,7 +190,6 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         check_text_tokenizer(datamodule.shard_dirs, target.tokenizer)
     loggers = build_loggers(cfg.logger)
     ckpt_dir = output_dir / CHECKPOINT_DIR
-    draft = isinstance(model, Draft)
     monitor = ("dev/alpha_softmax", "max") if draft and teacher is not None else ("dev/ce", "min")
     callbacks = [
         # last.ckpt (resume): every validation, and explicitly after the last step.
@@ -237,7 +240,7 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     metrics: dict[str, Any] = {**after, **{f"before/{k}": v for k, v in before.items()}}
     metrics.update(global_step=trainer.global_step, export_path=str(export_path))
     if trainer.is_global_zero:
-        export_model(model, export_path)
+        export_model(model, export_path, draft)
         write_atomic(output_dir / "metrics.json", json.dumps(metrics, indent=1))
         for logger in loggers:
             logger.log_metrics({f"final/{k}": v for k, v in after.items()}, step=trainer.global_step)
