@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from ssd.data.grid_language import GridLanguage
 from ssd.toy_world import STAGES, build_toy_world
 from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, phone_state_labels
+from ssd.toy_world.codec_fit import fit_codec
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, flite_phones, read_alignment, synthesize
 from ssd.toy_world.stages import DONE_FILE, Stage
 
@@ -175,14 +176,14 @@ def test_codec_decoder_training_is_step_based_and_deterministic(world):
     root, cfg, _ = world
     wavs = sorted((root / "corpus" / "train-clean-100").glob("*/*/*.wav"))
     codec_cfg = {**cfg["codec"], "decoder_max_steps": 6}
-    first = ToyCodec.fit(wavs, codec_cfg, seed=0, progress=False)
-    second = ToyCodec.fit(wavs, codec_cfg, seed=0, progress=False)
+    first = fit_codec(wavs, codec_cfg, seed=0, progress=False)
+    second = fit_codec(wavs, codec_cfg, seed=0, progress=False)
     assert first.fit_report["decoder_steps"] == 6
     assert first.fit_report["decoder_stopped_by_seconds_cap"] is False
     for name, weights in first.decoder.state_dict().items():
         assert torch.equal(weights, second.decoder.state_dict()[name]), name
     # The seconds value is only a safety cap, and the fit report says when it cut training short.
-    capped = ToyCodec.fit(wavs, {**codec_cfg, "decoder_train_seconds": 0.0}, seed=0, progress=False)
+    capped = fit_codec(wavs, {**codec_cfg, "decoder_train_seconds": 0.0}, seed=0, progress=False)
     assert capped.fit_report["decoder_stopped_by_seconds_cap"] is True
     assert capped.fit_report["decoder_steps"] < 6
 
@@ -195,7 +196,7 @@ def test_codec_decoder_training_is_step_based_and_deterministic(world):
 def test_codec_alternatives(world, tmp_path, options):
     root, cfg, _ = world
     wavs = sorted((root / "corpus" / "train-clean-100").glob("*/*/*.wav"))
-    codec = ToyCodec.fit(wavs, {**cfg["codec"], **options}, seed=0, progress=False)
+    codec = fit_codec(wavs, {**cfg["codec"], **options}, seed=0, progress=False)
     assert (codec.encoder is None) == (options.get("features") == "log_mel")
     codec.save(tmp_path / "alt")
     again = ToyCodec.load(tmp_path / "alt")
@@ -206,9 +207,9 @@ def test_codec_alternatives(world, tmp_path, options):
     assert len(audio) == len(tokens) * codec.sample_rate // 25 and np.isfinite(audio).all()
     assert np.allclose(audio, codec.decode(tokens, prompt_wav=wav), atol=1e-5)
     with pytest.raises(ValueError, match="decoder_target"):
-        ToyCodec.fit(wavs, {**cfg["codec"], "decoder_target": "mel"}, progress=False)
+        fit_codec(wavs, {**cfg["codec"], "decoder_target": "mel"}, progress=False)
     with pytest.raises(ValueError, match="features must be one of"):
-        ToyCodec.fit(wavs, {**cfg["codec"], "features": "mfcc"}, progress=False)
+        fit_codec(wavs, {**cfg["codec"], "features": "mfcc"}, progress=False)
 
 
 def _stamp(root: Path) -> dict[str, float]:

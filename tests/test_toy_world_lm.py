@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ssd.decoding.acceptance import ExactRule
-from ssd.decoding.generate import decode_ar, decode_speculative
+from ssd.decoding.generate import Request, decode_ar, decode_speculative
 from ssd.decoding.sampling import SamplingConfig
+from ssd.drafters.layers import load_draft
 from ssd.models.cosyvoice2 import CosyVoice2LM
-from ssd.models.draft import load_draft
 from ssd.toy_world.stages import read_done
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,18 +85,8 @@ def test_trained_target_and_draft_load_and_generate(full_micro_world):
         top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10, stop_tokens=target.stop_tokens
     )
     g = torch.Generator().manual_seed(0)
-    ar = decode_ar(target, prompt, sampling, max_len=max_len, min_len=min_len, generator=g)
-    spec = decode_speculative(
-        target,
-        draft,
-        prompt,
-        sampling,
-        ExactRule(),
-        draft_len=3,
-        max_len=max_len,
-        min_len=min_len,
-        generator=g,
-    )
+    ar = decode_ar(target, Request(prompt, max_len, min_len, g), sampling)
+    spec = decode_speculative(target, draft, Request(prompt, max_len, min_len, g), sampling, ExactRule(), 3)
     for result in (ar, spec):
         tokens = result.tokens[0]
         assert int(min_len[0]) <= len(tokens) <= int(max_len[0])

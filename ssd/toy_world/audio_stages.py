@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 
 from ssd.data.grid_language import GridLanguage
-from ssd.toy_world.codec import ToyCodec
+from ssd.toy_world.codec_fit import fit_codec
 from ssd.toy_world.corpus import build_corpus, speaker_bank, subset_wavs
 from ssd.toy_world.stages import StageContext
 
@@ -58,7 +58,7 @@ def run_codec(ctx: StageContext) -> dict:
         raise ValueError("toy_world: the codec stage needs the corpus stage before it")
     corpus_dir = ctx.inputs["corpus"]
     wavs = subset_wavs(corpus_dir, corpus_train_subset(ctx.world["corpus"]))
-    codec = ToyCodec.fit(wavs, ctx.config, seed=int(ctx.world.get("seed", 0)), progress=ctx.progress)
+    codec = fit_codec(wavs, ctx.config, seed=int(ctx.world.get("seed", 0)), progress=ctx.progress)
     codec.save(ctx.out_dir)
     r = codec.fit_report
     return {

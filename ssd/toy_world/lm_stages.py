@@ -216,8 +216,12 @@ def run_summary(ctx: StageContext) -> dict:
     toy target (WER next to its wrong-sentence baseline, per-slot accuracy, SIM, tokens/s), draft α,
     and the MOS judge's naturalness of the three (`naturalness_ordering`)."""
     from ssd.data.libritts import save_table
+    from ssd.evaluation.items import build_test_list, wrong_sentence_texts
+    from ssd.evaluation.judging import mos_fields
+    from ssd.evaluation.models import load_models
     from ssd.evaluation.run_dir import RESULTS_FILE, read_records
-    from ssd.evaluation.runner import build_test_list, evaluate, load_models, mos_fields, wrong_sentence_texts
+    from ssd.evaluation.runner import evaluate
+    from ssd.evaluation.settings import RunSettings
     from ssd.evaluation.wer import summarize_wer, utterance_wer
 
     root = ctx.inputs["corpus"].parent
@@ -247,10 +251,11 @@ def run_summary(ctx: StageContext) -> dict:
     from ssd.audio.features import load_audio
     from ssd.contracts import VocoderPrompt
 
-    pairs = build_test_list(cfg.eval)
-    models = load_models(cfg)
+    settings = RunSettings.from_config(cfg)
+    pairs = build_test_list(settings.eval)
+    models = load_models(settings)
     # Other judges (asr config names) score the same original and resynthesised audio, side by side.
-    extra = {name: load_models(compose("sweep", [*overrides, f"asr={name}"])).asr
+    extra = {name: load_models(RunSettings.from_config(compose("sweep", [*overrides, f"asr={name}"]))).asr
              for name in ctx.config.get("extra_judges", [])}  # fmt: skip
     rows, floor, ceiling = [], [], []
     extra_scores = {name: {"original": [], "resynthesised": []} for name in extra}
@@ -309,9 +314,7 @@ def run_summary(ctx: StageContext) -> dict:
     }
     if models.mos is not None:
         naturalness["generated_ar"] = {r["utt"]: r for r in read_records(ctx.out_dir / "ar" / RESULTS_FILE)}
-        resamples = int(cfg.eval.get("bootstrap_resamples", 1000))
-        summary.update(
-            naturalness_ordering(naturalness, resamples, int(cfg.seed)), mos_judge=cfg.mos._target_
-        )
+        summary.update(naturalness_ordering(naturalness, settings.eval.bootstrap_resamples, settings.seed),
+                       mos_judge=cfg.mos._target_)  # fmt: skip
     (ctx.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
