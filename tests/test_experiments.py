@@ -85,15 +85,15 @@ def test_pcg_table1_sweeps_group_sizes_with_exact_ssd_the_papers_theta_and_a_dev
 
 def test_pcg_table2_swaps_ar_tokens_within_groups_with_a_random_group_control():
     cfg = load_experiment("pcg_table2_swap")
-    assert cfg.decoding.mode == "ar" and cfg.perturb._target_.endswith("GroupSwap")
+    assert cfg.decoding._target_.endswith("Autoregressive") and cfg.perturb._target_.endswith("GroupSwap")
     assert len(_grid(cfg)["perturb.groups.group_size"]) >= 3 and cfg.reproduce.baseline
-    assert any(g.get("perturb.groups.source") == "random" for g in cfg.reproduce.extra_grids)
+    assert any(g.get("groups") == "random" for g in cfg.reproduce.extra_grids)
 
 
 def test_pcg_table3_compares_group_sources_at_one_size_and_fig4_sweeps_lookahead_for_exact_and_pcg():
     groups = load_experiment("pcg_table3_groups")
-    assert _grid(groups)["acceptance.source"] == ["embedding", "mel", "codec", "random"]
-    assert groups.acceptance._target_.endswith("PCGRule") and groups.acceptance.codec_dir
+    assert _grid(groups)["groups"] == ["embedding", "mel", "codec", "random"]
+    assert groups.acceptance._target_.endswith("PCGRule") and groups.acceptance.source == groups.groups
     assert {"acceptance.group_size": 1} in [dict(g) for g in groups.reproduce.extra_grids]  # = exact SD
     fig4 = load_experiment("pcg_fig4_lookahead")
     assert [int(d) for d in _grid(fig4)["draft_len"]] == [1, 2, 3, 4, 5, 6]
@@ -166,8 +166,8 @@ def test_exactness_chi_square_accepts_beta_0_and_rejects_beta_04_and_the_no_ras_
     """Statistical test, fixed seeds: 6000 decodes per arm of the first 3 tokens on a tiny random target
     with RAS; equality is rejected at p < 0.001."""
     from ssd.decoding.sampling import SamplingConfig
+    from ssd.drafters.layers import build_draft
     from ssd.models.cosyvoice2 import CosyVoice2LM
-    from ssd.models.draft import build_draft
     from tests.fixtures_models import TINY_SPEECH_TOKENS, make_tiny_cosyvoice2_dir
 
     torch.set_num_threads(1)

@@ -47,6 +47,7 @@ Study = Callable[["Experiment"], StudyResult]
 from ssd.experiments.acceptance_seeds import run_acceptance_seeds_study  # noqa: E402
 from ssd.experiments.beta_audit import run_beta_audit_study  # noqa: E402
 from ssd.experiments.draft_training import train_and_evaluate_drafts  # noqa: E402
+from ssd.experiments.drafters import run_drafters_study  # noqa: E402
 from ssd.experiments.exactness import run_exactness_study  # noqa: E402
 
 # reproduce.study -> the study it names.
@@ -55,4 +56,5 @@ STUDIES: dict[str, Study] = {
     "draft_training": train_and_evaluate_drafts,
     "beta_audit": run_beta_audit_study,
     "acceptance_seeds": run_acceptance_seeds_study,
+    "drafters": run_drafters_study,
 }

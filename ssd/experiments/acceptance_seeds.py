@@ -55,16 +55,20 @@ def decode_counts(
     from omegaconf import open_dict
     from tqdm import tqdm
 
+    from ssd.evaluation.items import build_test_list, prepare_item, utterance_seed
+    from ssd.evaluation.models import load_models
     from ssd.evaluation.run_dir import RunDir, append_record, read_records, run_inputs
-    from ssd.evaluation.runner import build_test_list, decode_items, load_models, prepare_item, utterance_seed
+    from ssd.evaluation.runner import decode_items
+    from ssd.evaluation.settings import RunSettings
 
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.output_dir = str(run_dir)
+    settings = RunSettings.from_config(cfg)
     with RunDir(run_dir) as run:
-        inputs = run_inputs(cfg)
-        run.check_config(cfg, inputs)
-        pairs = list(build_test_list(cfg.eval).itertuples(index=False))[:utterances]
+        inputs = run_inputs(settings.resolved)
+        run.check_config(settings.resolved, inputs)
+        pairs = list(build_test_list(settings.eval).itertuples(index=False))[:utterances]
         done = {r["utt"]: r for r in read_records(run.results)}
         other = sorted({len(r["accepted"]) for r in done.values()} - {seeds})
         if other:
@@ -74,14 +78,14 @@ def decode_counts(
             )
         todo = [(index, p) for index, p in enumerate(pairs) if p.utt not in done]  # index: in the test list
         if todo:
-            models = load_models(cfg)
-            run.write_config(cfg, inputs)
+            models = load_models(settings)
+            run.write_config(settings.resolved, inputs)
         prompts = {}
         for index, pair in tqdm(todo, desc=label, disable=not progress):
-            item = prepare_item(cfg, models, index, pair, None, prompts)
-            batch = [replace(item, seed=utterance_seed(int(cfg.seed) + s, pair.utt)) for s in range(seeds)]
+            item = prepare_item(models, settings.seed, index, pair, None, prompts)
+            batch = [replace(item, seed=utterance_seed(settings.seed + s, pair.utt)) for s in range(seeds)]
             with torch.inference_mode():
-                result, _, _ = decode_items(cfg, models, batch)
+                result, _, _ = decode_items(settings, models, batch)
             record = {"utt": pair.utt, "accepted": [sum(r["accepted"]) for r in result.rows],
                       "proposed": [sum(r["proposed"]) for r in result.rows], "tokens": [r["tokens"] for r in result.rows]}  # fmt: skip
             append_record(run.results, record)

@@ -2,7 +2,7 @@
 acoustically interchangeable with what the target preferred?
 
 Every tolerance run with β > 0 and `acceptance.audit_groups` (a PCGRule) records, per kept draft token, the
-engine's diagnostic (`ToleranceRule.audit`, fields `AUDIT_FIELDS`). This study reads those records from the
+engine's diagnostic (`ToleranceRule.audit`, fields `ToleranceRule.audit_fields`). This study reads those records from the
 test sweep and tabulates, per β: the share of kept draft tokens kept ONLY because of β (u >= min(1, q/p)),
 the distribution of q(x) and of q(x)/max q for them, how often they are the target's argmax, lie in the
 PCG group of the argmax, and the chance that a draw from q at that step shares their group. The tokens the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ssd.decoding.acceptance import AUDIT_FIELDS
+from ssd.decoding.acceptance import ToleranceRule
 from ssd.evaluation.run_dir import RESULTS_FILE, read_records
 from ssd.evaluation.tables import load_runs, to_markdown
 from ssd.experiments import StudyResult
@@ -29,11 +29,11 @@ FIGURE = "fig_beta_audit_q_over_max.png"
 
 
 def audit_tokens(records: list[dict]) -> pd.DataFrame:
-    """One row per kept draft token of a run (columns AUDIT_FIELDS); empty without audit records."""
-    columns = {name: [] for name in AUDIT_FIELDS}
+    """One row per kept draft token of a run (columns ToleranceRule.audit_fields); empty without audit records."""
+    columns = {name: [] for name in ToleranceRule.audit_fields}
     for record in records:
         audit = record.get("beta_audit") or {}
-        for name in AUDIT_FIELDS:
+        for name in ToleranceRule.audit_fields:
             columns[name].extend(audit.get(name, []))
     return pd.DataFrame(columns)
 

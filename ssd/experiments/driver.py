@@ -27,15 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from ssd.config import as_overrides, compose, group_options, merge_overrides, override_key, override_value
 from ssd.evaluation.provenance import CommandLog, git_description, machine_description
 from ssd.evaluation.run_dir import BASELINES_DIR, METRICS_FILE
-from ssd.evaluation.tables import (
-    aggregate,
-    display_table,
-    matched_speed,
-    paper_table,
-    select_on_dev,
-    to_markdown,
-    write_table,
-)
+from ssd.evaluation.selection import matched_speed, select_on_dev
+from ssd.evaluation.tables import aggregate, display_table, paper_table, to_markdown, write_table
 from ssd.experiments import STUDIES, StudyResult
 
 log = logging.getLogger(__name__)
@@ -248,7 +241,9 @@ def reproduce(
         f"# {spec.title}\n",
         f"Produced by `python scripts/reproduce.py {name}` (commands: command.txt; commit: git_commit.txt; "
         f"machine: machine.txt). Every number below except the paper's is computed from the run files under "
-        f"runs/; speedups are measured wall-clock LM-RTF ratios on this machine, never GPU numbers.\n",
+        f"runs/. A speedup is Σ AR LM time / Σ LM time over the utterances each job timed beside the AR target in "
+        f"its own process, with a 95 % bootstrap CI over utterances: wall clock on this machine, never a GPU "
+        f"number.\n",
         f"## The paper\n\n{paper_table(paper)}",
         *sections,
         "## Files\n\n" + "\n".join(f"- {f}" for f in ["table.md", "table.csv", *figures]) + "\n",

@@ -57,10 +57,10 @@ def sample_early_tokens(
 
 def ar_decoder(target, sampling, tokens: int) -> Callable[[Any, torch.Generator], Any]:
     """decode(prompt, generator) -> the target's own AR decode of exactly `tokens` tokens."""
-    from ssd.decoding.generate import decode_ar
+    from ssd.decoding.generate import Request, decode_ar
 
     def decode(prompt, generator):
-        return decode_ar(target, prompt, sampling, max_len=tokens, min_len=tokens, generator=generator)
+        return decode_ar(target, Request(prompt, tokens, tokens, generator), sampling)
 
     return decode
 
@@ -102,7 +102,7 @@ def exactness_chi_square(
     prefill in both decoders, so only tokens 2.. exercise the verifier). Equality is rejected when p < alpha.
     """
     from ssd.decoding.acceptance import ToleranceRule
-    from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.generate import Request, decode_speculative
 
     reference = sample_early_tokens(
         ar_decoder(target, sampling, tokens), make_prompt, samples, batch, tokens, seed
@@ -114,8 +114,9 @@ def exactness_chi_square(
         rule = ToleranceRule(beta=beta)
 
         def spec(prompt, generator, law=verifier_law, rule=rule):
-            return decode_speculative(target, draft, prompt, law, rule, draft_len=draft_len, max_len=tokens,
-                                      min_len=tokens, generator=generator)  # fmt: skip
+            return decode_speculative(
+                target, draft, Request(prompt, tokens, tokens, generator), law, rule, draft_len
+            )
 
         drawn = sample_early_tokens(spec, make_prompt, samples, batch, tokens, seed + 1 + i)
         joint = chi_square_homogeneity(reference, drawn, min_cell)
@@ -137,15 +138,15 @@ def tv_drift(target, draft, sampling, prompt, min_len, max_len, betas, draft_len
     """Mean per-step TV(output law of the tolerance rule, target law q) per draft position, per beta:
     exact (no sampling noise in the TV itself), along real speculative decodes of `prompt`."""
     from ssd.decoding.acceptance import ToleranceRule
-    from ssd.decoding.generate import decode_speculative
+    from ssd.decoding.generate import Request, decode_speculative
+    from ssd.decoding.observe import Instruments
 
     rows = []
     for beta in betas:
-        generator = torch.Generator().manual_seed(seed)
+        request = Request(prompt, max_len, min_len, torch.Generator().manual_seed(seed))
         with torch.inference_mode():
-            result = decode_speculative(target, draft, prompt, sampling, ToleranceRule(beta=float(beta)),
-                                        draft_len=draft_len, max_len=max_len, min_len=min_len,
-                                        generator=generator, track_tv=True)  # fmt: skip
+            result = decode_speculative(target, draft, request, sampling, ToleranceRule(beta=float(beta)), draft_len,
+                                        Instruments(track_tv=True))  # fmt: skip
         stats = result.stats
         row = {"beta": float(beta), "mean TV": sum(stats.tv_sum) / max(1, sum(stats.proposed)),
                "acceptance": stats.acceptance_rate, "positions": sum(stats.proposed)}  # fmt: skip
@@ -158,13 +159,19 @@ def _exactness_models(cfg: DictConfig):
     """The runner's models for the experiment's config (speculative: target, draft, sampling law, speech
     tokenizer) and every test item's (text, prompt text, prompt speech tokens)."""
     from ssd.audio.features import load_audio
-    from ssd.evaluation.runner import build_test_list, load_models
+    from ssd.config import compose
+    from ssd.evaluation.items import build_test_list
+    from ssd.evaluation.models import load_models
+    from ssd.evaluation.settings import RunSettings
 
     cfg = copy.deepcopy(cfg)
-    cfg.decoding.mode = "speculative"  # the study decodes with both the target and the draft
-    models = load_models(cfg)
+    cfg.decoding = compose(
+        "sweep", ["decoding=speculative"]
+    ).decoding  # the study decodes with target and draft
+    settings = RunSettings.from_config(cfg)
+    models = load_models(settings)
     items = []
-    for pair in build_test_list(cfg.eval).itertuples(index=False):
+    for pair in build_test_list(settings.eval).itertuples(index=False):
         wav, sr = load_audio(pair.prompt_wav, None)
         items.append(
             (pair.text, pair.prompt_text, np.asarray(models.speech_tokenizer.encode(wav, sr)).tolist())
@@ -217,7 +224,7 @@ def _paired(cfg: DictConfig, sweep_dir: Path, out_dir: Path) -> str:
     """Paired differences of the sweep's first AR and speculative runs (paired_differences.csv)."""
     runs = load_runs(sweep_dir)
     ok = runs[runs["status"] == "ok"]
-    ar, spec = ok[ok["decoding"] == "ar"], ok[ok["decoding"] == "speculative"]
+    ar, spec = ok[ok["reference"].astype(bool)], ok[ok["acceptance"].notna()]
     if ar.empty or spec.empty:
         return "The AR and speculative runs are missing: no paired comparison.\n"
     paired = pd.DataFrame(paired_differences(
