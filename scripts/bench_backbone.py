@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from ssd.models.transformer import Backbone, BackboneConfig  # noqa: E402
+from ssd.models.backbone_config import BackboneConfig  # noqa: E402
+from ssd.models.transformer import Backbone  # noqa: E402
 
 HEAD_ROWS = 6564
 

@@ -5,7 +5,7 @@ Per shape (random weights; `--shape toy` is configs/target/toy.yaml's architectu
 CosyVoice 2's LM, `tiny` is for smoke tests):
   * per-call costs: target decode(1), verify(k+1), draft decode(1); c and v_k;
   * per-step sampler cost (distribution + sample) at the shape's V for B and B·(L_d+1) rows;
-  * host syncs per round of a decode (TorchFunctionMode counter), this engine and a baseline revision;
+  * host syncs per round of a decode (TorchFunctionMode counter), on both cache paths;
   * AR: this engine vs HF `generate` (Qwen2ForCausalLM holding the same tensors);
   * speculative: this engine (exact rule) vs HF assisted generation (assistant = the draft's layers)
     at each L_d, then this engine under SYNTHETIC α (fixed acceptance; random weights make real α
@@ -23,8 +23,6 @@ min_new_tokens = max_new_tokens) under the same law (top-k 25, then top-p 0.8, H
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import itertools
 import json
 import math
@@ -32,7 +30,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -44,14 +41,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from ssd.decoding import generate as engine  # noqa: E402
 from ssd.decoding.acceptance import ExactRule, SyntheticRule  # noqa: E402
+from ssd.decoding.generate import PaddedVerify, Request, decode_ar, decode_speculative  # noqa: E402
+from ssd.decoding.observe import Instruments  # noqa: E402
 from ssd.decoding.rng import RowRandom  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig, distribution, sample  # noqa: E402
+from ssd.drafters.block import BlockDrafter  # noqa: E402
+from ssd.drafters.eagle import FeatureDrafter  # noqa: E402
+from ssd.drafters.heads import HeadsDrafter  # noqa: E402
+from ssd.drafters.layers import build_draft  # noqa: E402
+from ssd.evaluation.metrics import paired_speedup, paired_speedup_ci  # noqa: E402
 from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
+from ssd.models.backbone_config import BackboneConfig  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
-from ssd.models.draft import build_draft  # noqa: E402
-from ssd.models.transformer import BackboneConfig  # noqa: E402
+from ssd.models.export import hf_causal_lm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,6 +86,8 @@ SHAPES = {
     "toy": toy_shape(),
     # CosyVoice 2's LM (docs/targets.md §2.1) with the SSD paper's 8-layer draft (configs/draft/ssd_8layer.yaml).
     "cosyvoice2": Shape(896, 24, 14, 2, 4864, 6561, (0, 1, 18, 19, 20, 21, 22, 23)),
+    # LLaSA-1B (Llama 3.2 1B) with its full head, V = 193,800 (the acceptance-step benchmark's largest shape).
+    "llasa": Shape(2048, 16, 32, 8, 8192, 193797, (0,)),
     # For smoke tests only: seconds on one CPU core.
     "tiny": Shape(64, 2, 4, 2, 128, 61, (0,), text_vocab=50),
 }
@@ -125,26 +130,6 @@ def make_prompt(shape: Shape, context: int, batch: int = 1, seed: int = 1) -> Co
     text = torch.randint(0, shape.text_vocab, (n_text,), generator=g)
     speech = torch.randint(0, shape.speech_tokens, (context - n_text - 2,), generator=g)
     return CosyVoice2Prompt([text] * batch, [speech] * batch, [n_text] * batch)
-
-
-def hf_causal_lm(model: CosyVoice2LM):
-    """transformers' Qwen2ForCausalLM over the speech vocabulary holding `model`'s own tensors:
-    embed_tokens = the speech embedding, lm_head = the speech head (bias zero, see build_models)."""
-    from transformers import Qwen2ForCausalLM
-
-    if bool(model.llm_decoder.bias.detach().abs().max() > 0):
-        raise ValueError("hf_causal_lm: the speech head has a bias, which Qwen2ForCausalLM's lm_head lacks")
-    hf_config = model.backbone.config.to_hf()
-    hf_config.vocab_size = model.vocab_size
-    hf_config.tie_word_embeddings = False  # speech embedding and speech head are different tensors
-    hf_config._attn_implementation = "sdpa"
-    with torch.device(model.device):  # initialising 0.5 B parameters is quicker on the GPU
-        hf = Qwen2ForCausalLM(hf_config).to(dtype=model.dtype).eval()
-    state = {f"model.{k}": v for k, v in model.backbone.state_dict().items() if k != "embed_tokens.weight"}
-    state["model.embed_tokens.weight"] = model.speech_embedding.weight
-    state["lm_head.weight"] = model.llm_decoder.weight
-    hf.load_state_dict(state, strict=True)
-    return hf
 
 
 def hf_logits_match(target: CosyVoice2LM, hf, prompt) -> float:
@@ -226,56 +211,22 @@ def static_cache_path(*models):
             b.static_step = flag
 
 
-def engine_at(rev: str):
-    """The decoding engine (ssd/decoding/*.py) as it was at git revision `rev`, importable beside this one
-    (its own imports of ssd.decoding point at the copies). Models and configs stay the current ones."""
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(REPO), *cmd], check=True, capture_output=True, text=True
-        ).stdout
-
-    commit = git("rev-parse", "--short", rev).strip()
-    package = f"engine_{commit}"
-    root = Path(tempfile.mkdtemp(prefix="ssd_engine_"))
-    (root / package).mkdir()
-    for name in git("ls-tree", "--name-only", f"{rev}:ssd/decoding").split():
-        if name.endswith(".py"):
-            source = git("show", f"{rev}:ssd/decoding/{name}").replace("ssd.decoding.", f"{package}.")
-            (root / package / name).write_text(source)
-    sys.path.insert(0, str(root))
-    return importlib.import_module(f"{package}.generate"), commit
-
-
-def syncs_per_round(generate_module, target, draft, prompt, tokens: int, draft_len: int) -> dict:
-    """Host syncs of AR and speculative (exact rule) decoding with `generate_module`, split into a cost per
-    round and a fixed cost per decode: two decodes of `tokens` and 2·`tokens` tokens give the slope and
-    the intercept. AR's round is one token. torch's global RNG (generator None), which engines before
-    per-row streams took as well."""
-    # Without the β_t / TV bookkeeping where the engine can skip it, as a deployment decodes.
-    parameters = inspect.signature(generate_module.decode_speculative).parameters
-    deployment = {"diagnostics": False} if "diagnostics" in parameters else {}
-    # Exactly n tokens each (no early stop token), from one seed: the count must not depend on what the
-    # global RNG did before.
-    exact_length = (
-        "min_len" in parameters and "min_len" in inspect.signature(generate_module.decode_ar).parameters
-    )
-    # The rule of the same revision (rules' attributes change with the engine).
-    exact_rule = importlib.import_module(generate_module.__name__.rsplit(".", 1)[0] + ".acceptance").ExactRule
+def syncs_per_round(target, draft, prompt, tokens: int, draft_len: int) -> dict:
+    """Host syncs of AR and speculative (exact rule) decoding, split into a cost per round and a fixed cost per
+    decode: two decodes of exactly `tokens` and 2·`tokens` tokens give the slope and the intercept. AR's round
+    is one token. No observer: the decode as a deployment runs it."""
     out = {}
     for mode in ("ar", "speculative"):
         counts = []
         for n in (tokens, 2 * tokens):
-            length = {"max_len": n, **({"min_len": n} if exact_length else {})}
-            torch.manual_seed(0)
+            request = Request(prompt, n, n, _generator("cpu"))
             with HostSyncCounter() as counter:
                 if mode == "ar":
-                    generate_module.decode_ar(target, prompt, LAW, **length)
+                    decode_ar(target, request, LAW)
                     rounds = n
                 else:
-                    rounds = generate_module.decode_speculative(
-                        target, draft, prompt, LAW, exact_rule(), draft_len=draft_len, **length, **deployment
-                    ).stats.rounds  # fmt: skip
+                    rounds = decode_speculative(target, draft, request, LAW, ExactRule(), draft_len,
+                                                Instruments(diagnostics=False)).stats.rounds  # fmt: skip
             counts.append((rounds, counter.total, dict(counter.calls.most_common())))
         (r1, s1, _), (r2, s2, by_call) = counts
         per_round = (s2 - s1) / max(1, r2 - r1)
@@ -289,12 +240,32 @@ def _generator(device, seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def best_decode(fn, repeats: int):
-    """(seconds, result) of the fastest of `repeats` runs after a warm-up; seconds = the engine's own clock."""
-    fn()
-    runs = [fn() for _ in range(repeats)]
-    best = min(runs, key=lambda r: r.stats.time_total)
-    return best.stats.time_total, best
+def decode_seconds(fn):
+    """A decoding call timed by the engine's own clock: fn() returns a DecodeResult (decoded with an Instruments
+    observer without diagnostics); returns (seconds, result)."""
+
+    def timed():
+        result = fn()
+        return result.stats.time_total, result
+
+    return timed
+
+
+def paired(baseline, candidate, repeats: int) -> dict:
+    """Time candidate() beside baseline() `repeats` times after one warm-up of each, alternating which runs
+    first; both return (seconds, anything). Speedup = Σ baseline / Σ candidate seconds with its 95 % CI
+    (`ssd.evaluation.metrics.paired_speedup_ci`, as the evaluation runner computes it)."""
+    baseline(), candidate()
+    pairs, last = [], None
+    for i in range(repeats):
+        first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
+        a, b = first(), second()
+        (base_s, _), (own_s, last) = (a, b) if first is baseline else (b, a)
+        pairs.append({"baseline_lm_time": base_s, "lm_time": own_s})
+    own = sorted(p["lm_time"] for p in pairs)
+    base = sorted(p["baseline_lm_time"] for p in pairs)
+    return {"speedup": paired_speedup(pairs), "speedup_ci": paired_speedup_ci(pairs), "n": repeats,
+            "seconds": own[len(own) // 2], "baseline_seconds": base[len(base) // 2], "last": last}  # fmt: skip
 
 
 def decode_room(tokens: int, max_draft_len: int, verify_rows: int | None = None) -> int:
@@ -339,32 +310,41 @@ def sampler_costs(vocab: int, rows: list[int], device, repeats: int) -> list[dic
     return out
 
 
-def hf_generate_seconds(
-    hf, input_ids, tokens: int, device, repeats: int, assistant=None
-) -> tuple[float, int]:
-    """(median seconds, target forward calls of the last run) of HF generate for exactly `tokens` new tokens."""
-    calls = [0]
-    hook = hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+def hf_generate(hf, input_ids, tokens: int, device, assistant=None):
+    """A call of HF generate for exactly `tokens` new tokens, returning (seconds, target forward calls)."""
     kwargs = dict(
         input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=tokens,
         min_new_tokens=tokens, do_sample=True, top_k=LAW.top_k, top_p=LAW.top_p, temperature=1.0,
         pad_token_id=0, eos_token_id=None, assistant_model=assistant,
     )  # fmt: skip
-    try:
-        with torch.no_grad():
 
-            def call():
-                calls[0] = 0
+    def call():
+        calls = [0]
+        hook = hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            with torch.no_grad():
+                synchronize(device)
+                start = time.perf_counter()
                 out = hf.generate(**kwargs)
-                if out.shape[1] - input_ids.shape[1] != tokens:
-                    raise RuntimeError(
-                        f"HF generate emitted {out.shape[1] - input_ids.shape[1]} tokens, not {tokens}"
-                    )
+                synchronize(device)
+                seconds = time.perf_counter() - start
+        finally:
+            hook.remove()
+        if out.shape[1] - input_ids.shape[1] != tokens:
+            raise RuntimeError(
+                f"HF generate emitted {out.shape[1] - input_ids.shape[1]} tokens, not {tokens}"
+            )
+        return seconds, calls[0]
 
-            seconds = median_seconds(call, device, repeats)
-    finally:
-        hook.remove()
-    return seconds, calls[0]
+    return call
+
+
+def median_run(call, repeats: int):
+    """(median seconds, the last run's second value) of call() -> (seconds, x) over `repeats` runs after a
+    warm-up."""
+    call()
+    runs = [call() for _ in range(repeats)]
+    return sorted(r[0] for r in runs)[len(runs) // 2], runs[-1][1]
 
 
 def pin_assistant(assistant, draft_len: int | None) -> None:
@@ -394,20 +374,9 @@ def bench_shape(name: str, args, log=print) -> dict:
                  "tokens": tokens, "device": device, "dtype": args.dtype}  # fmt: skip
 
     log(f"[{name}] host syncs per round")
-    res["syncs"] = {"this engine": syncs_per_round(engine, target, draft, prompt, min(tokens, 24), 3)}
-    if hasattr(target.backbone, "static_step"):  # the cache path a compiled step uses, here without compiling
-        with static_cache_path(target, draft):
-            res["syncs"]["this engine, static cache path"] = syncs_per_round(
-                engine, target, draft, prompt, min(tokens, 24), 3
-            )
-    if args.baseline_engine:
-        try:
-            old, commit = engine_at(args.baseline_engine)
-            res["syncs"][f"{args.baseline_engine} ({commit})"] = syncs_per_round(
-                old, target, draft, prompt, min(tokens, 24), 3
-            )
-        except Exception as err:  # the baseline is informative, never a reason to lose the run
-            res["syncs"][f"{args.baseline_engine}"] = {"error": f"{type(err).__name__}: {err}"}
+    res["syncs"] = {"eager cache path": syncs_per_round(target, draft, prompt, min(tokens, 24), 3)}
+    with static_cache_path(target, draft):  # the cache path a compiled step uses, here without compiling
+        res["syncs"]["static cache path"] = syncs_per_round(target, draft, prompt, min(tokens, 24), 3)
 
     if args.compile:  # after the sync count: a function mode over a compiled step would recompile it
         log(f"[{name}] compiling the decode steps (mode {args.compile_mode})")
@@ -416,10 +385,11 @@ def bench_shape(name: str, args, log=print) -> dict:
     res["engine"] = f"compiled ({args.compile_mode})" if args.compile else "eager"
 
     log(f"[{name}] per-call costs")
-    blocks = sorted({1, *(k + 1 for k in draft_lens), *([args.verify_rows] if args.verify_rows else [])})
+    blocks = sorted({1, args.drafter_len + 1, *(k + 1 for k in draft_lens),
+                     *([args.verify_rows] if args.verify_rows else [])})  # fmt: skip
     room = decode_room(tokens, max(draft_lens), args.verify_rows)
     t_cost = step_costs(target, prompt, blocks, device, max(3, 3 * repeats), room)
-    d_cost = step_costs(draft, prompt, [1], device, max(3, 3 * repeats), room)
+    d_cost = step_costs(draft.model, prompt, [1], device, max(3, 3 * repeats), room)
     c = d_cost[1] / t_cost[1]
     res["costs"] = {"target_ms": {k: 1e3 * v for k, v in t_cost.items()}, "draft_decode_ms": 1e3 * d_cost[1],
                     "c": c, "v": {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}}  # fmt: skip
@@ -429,20 +399,23 @@ def bench_shape(name: str, args, log=print) -> dict:
     res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
 
     log(f"[{name}] AR: this engine vs HF generate")
-    ar_s, _ = best_decode(
-        lambda: engine.decode_ar(target, prompt, LAW, max_len=tokens, generator=_generator(device)), repeats
-    )
-    res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s}
+    engine_ar = decode_seconds(lambda: decode_ar(target, Request(prompt, tokens, 0, _generator(device)), LAW,
+                                                 Instruments(diagnostics=False)))  # fmt: skip
     hf = hf_draft = None
-    if not args.no_hf:
+    if args.no_hf:
+        ar_s, _ = median_run(engine_ar, repeats)
+        res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s}
+    else:
         hf, hf_draft = hf_causal_lm(target), hf_causal_lm(draft.model)
-        res["ar"]["hf_max_abs_logit_diff"] = hf_logits_match(target, hf, prompt)
         input_ids = torch.randint(
             0, shape.speech_tokens, (1, args.context), generator=torch.Generator().manual_seed(1)
-        )
-        input_ids = input_ids.to(device)
-        hf_s, _ = hf_generate_seconds(hf, input_ids, tokens, device, repeats)
-        res["ar"] |= {"hf_tokens_per_s": tokens / hf_s, "hf_s": hf_s}
+        ).to(device)
+        hf_ar = hf_generate(hf, input_ids, tokens, device)
+        versus = paired(hf_ar, engine_ar, repeats)  # the engine's AR timed beside HF generate
+        ar_s, hf_s = versus["seconds"], versus["baseline_seconds"]
+        res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s, "hf_tokens_per_s": tokens / hf_s,
+                     "hf_s": hf_s, "engine_vs_hf": versus["speedup"], "engine_vs_hf_ci": versus["speedup_ci"],
+                     "pairs": repeats, "hf_max_abs_logit_diff": hf_logits_match(target, hf, prompt)}  # fmt: skip
 
     log(f"[{name}] speculative: exact rule vs HF assisted; synthetic α")
     runs = []
@@ -454,26 +427,30 @@ def bench_shape(name: str, args, log=print) -> dict:
         for k, rows in itertools.product(draft_lens, paddings):
             if rows is not None and rows <= k + 1:
                 continue
-            seconds, result = best_decode(
-                lambda rule=rule, k=k, rows=rows: engine.decode_speculative(
-                    target, draft, prompt, LAW, rule, draft_len=k, max_len=tokens, generator=_generator(device),
-                    verify_rows=rows, diagnostics=False,
-                ),
-                repeats,
-            )  # fmt: skip
+            verifier = target if rows is None else PaddedVerify(target, rows)
+            timed = paired(engine_ar, decode_seconds(
+                lambda rule=rule, k=k, verifier=verifier: decode_speculative(
+                    verifier, draft, Request(prompt, tokens, 0, _generator(device)), LAW, rule, k,
+                    Instruments(diagnostics=False))), repeats)  # fmt: skip
+            result = timed["last"]
             alpha = result.stats.acceptance_rate
             predicted = expected_tokens_per_round(alpha, k) / (k * c + t_cost[rows or k + 1] / t_cost[1])
             runs.append({"system": "engine", "rule": label, "draft_len": k if rows is None else f"{k} (verify {rows} rows)",
-                         "tokens_per_s": tokens / seconds, "speedup": ar_s / seconds, "predicted": predicted,
-                         "alpha": alpha, "tokens_per_target_forward": tokens / (result.stats.target_calls + 1)})  # fmt: skip
+                         "tokens_per_s": tokens / timed["seconds"], "speedup": timed["speedup"],
+                         "speedup_ci": timed["speedup_ci"], "pairs": repeats, "predicted": predicted, "alpha": alpha,
+                         "tokens_per_target_forward": tokens / (result.stats.target_calls + 1)})  # fmt: skip
     if hf is not None:
         for k in [*draft_lens, None]:
             pin_assistant(hf_draft, k)
-            seconds, calls = hf_generate_seconds(hf, input_ids, tokens, device, repeats, assistant=hf_draft)
+            timed = paired(hf_ar, hf_generate(hf, input_ids, tokens, device, assistant=hf_draft), repeats)
             runs.append({"system": "HF assisted", "rule": "HF speculative sampling (random-weight α)",
-                         "draft_len": k if k is not None else "HF default", "tokens_per_s": tokens / seconds,
-                         "speedup": hf_s / seconds, "tokens_per_target_forward": tokens / max(1, calls)})  # fmt: skip
+                         "draft_len": k if k is not None else "HF default", "tokens_per_s": tokens / timed["seconds"],
+                         "speedup": timed["speedup"], "speedup_ci": timed["speedup_ci"], "pairs": repeats,
+                         "tokens_per_target_forward": tokens / max(1, timed["last"])})  # fmt: skip
     res["speculative"] = runs
+
+    log(f"[{name}] drafter families (SYNTHETIC α, L_d = {args.drafter_len})")
+    res["drafters"] = drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens, device)
 
     log(f"[{name}] batch throughput")
     res["batch"] = []
@@ -481,27 +458,42 @@ def bench_shape(name: str, args, log=print) -> dict:
     for b in batches:
         batch_prompt = make_prompt(shape, args.context, b)
         row = {"batch": b}
-        ar_b, _ = best_decode(
-            lambda p=batch_prompt: engine.decode_ar(
-                target, p, LAW, max_len=tokens, generator=_generator(device)
-            ),
-            repeats,
-        )
-        sp_b, _ = best_decode(
-            lambda p=batch_prompt: engine.decode_speculative(
-                target, draft, p, LAW, SyntheticRule(max(alphas)), draft_len=k_batch, max_len=tokens,
-                generator=_generator(device), diagnostics=False,
-            ),
-            repeats,
-        )  # fmt: skip
+        ar_b, _ = median_run(decode_seconds(lambda p=batch_prompt: decode_ar(
+            target, Request(p, tokens, 0, _generator(device)), LAW, Instruments(diagnostics=False))), repeats)  # fmt: skip
+        sp_b, _ = median_run(decode_seconds(lambda p=batch_prompt: decode_speculative(
+            target, draft, Request(p, tokens, 0, _generator(device)), LAW, SyntheticRule(max(alphas)), k_batch,
+            Instruments(diagnostics=False))), repeats)  # fmt: skip
         row |= {"engine_ar_tokens_per_s": b * tokens / ar_b,
                 f"engine_speculative_tokens_per_s (SYNTHETIC α={max(alphas)}, L_d={k_batch})": b * tokens / sp_b}  # fmt: skip
         if hf is not None:
             ids = input_ids.expand(b, -1).contiguous()
-            hf_b, _ = hf_generate_seconds(hf, ids, tokens, device, repeats)
+            hf_b, _ = median_run(hf_generate(hf, ids, tokens, device), repeats)
             row["hf_generate_tokens_per_s"] = b * tokens / hf_b
         res["batch"].append(row)
     return res
+
+
+def drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens: int, device) -> list[dict]:
+    """Each drafter family on this target at L_d = --drafter-len under SYNTHETIC α, timed beside AR: measured
+    speedup [CI], the drafter's own cost per round in target calls (its phase clock / rounds / decode(1)) and the
+    speedup that cost predicts, E(α, L_d) / (d + v)."""
+    k = args.drafter_len
+    families = {"layers (SSD)": draft, "medusa heads": HeadsDrafter(target, heads=k, kind="medusa"),
+                "mtp heads": HeadsDrafter(target, heads=k, kind="mtp"), "eagle (feature)": FeatureDrafter(target),
+                "block (parallel)": BlockDrafter(target, layers=2, block=k)}  # fmt: skip
+    rows = []
+    for label, drafter in families.items():
+        for alpha in alphas:
+            timed = paired(engine_ar, decode_seconds(lambda drafter=drafter, alpha=alpha: decode_speculative(
+                target, drafter, Request(prompt, tokens, 0, _generator(device)), LAW, SyntheticRule(alpha), k,
+                Instruments(diagnostics=False))), args.repeats)  # fmt: skip
+            stats = timed["last"].stats
+            d = stats.time_draft / max(1, stats.rounds) / t_cost[1]
+            predicted = expected_tokens_per_round(stats.acceptance_rate, k) / (d + t_cost[k + 1] / t_cost[1])
+            rows.append({"drafter": label, "alpha": stats.acceptance_rate, "draft_len": k, "draft_per_round": d,
+                         "speedup": timed["speedup"], "speedup_ci": timed["speedup_ci"], "pairs": args.repeats,
+                         "predicted": predicted, "tokens_per_s": tokens / timed["seconds"]})  # fmt: skip
+    return rows
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -513,6 +505,10 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def _f(x, digits: int = 2) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(value, ci, digits: int = 2) -> str:
+    return f"{_f(value, digits)} [{_f(ci[0], digits)}, {_f(ci[1], digits)}]"
 
 
 def markdown(results: dict) -> str:
@@ -536,30 +532,44 @@ def markdown(results: dict) -> str:
         )
         out.append("\n### Host syncs per round\n")
         rows = []
-        for engine_name, per_mode in res["syncs"].items():
-            if "error" in per_mode:
-                rows.append([engine_name, "—", "—", per_mode["error"]])
-                continue
+        for path_name, per_mode in res["syncs"].items():
             for mode, s in per_mode.items():
                 calls = ", ".join(f"{k} {v}" for k, v in s["by_call"].items())
-                rows.append([engine_name, mode, _f(s["per_round"], 1), _f(s["per_decode"], 1), calls])
+                rows.append([path_name, mode, _f(s["per_round"], 1), _f(s["per_decode"], 1), calls])
         out.append(
-            _table(["engine", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"], rows)
+            _table(
+                ["cache path", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"], rows
+            )
         )
         ar = res["ar"]
         out.append("\n### AR, batch 1\n")
-        line = f"this engine {_f(ar['engine_tokens_per_s'], 1)} tokens/s"
+        line = f"this engine {_f(ar['engine_tokens_per_s'], 1)} tokens/s (median)"
         if "hf_tokens_per_s" in ar:
-            line += (f"; HF generate {_f(ar['hf_tokens_per_s'], 1)} tokens/s (engine/HF "
-                     f"{_f(ar['engine_tokens_per_s'] / ar['hf_tokens_per_s'])}×); same weights: max |Δ logit| "
+            line += (f"; HF generate {_f(ar['hf_tokens_per_s'], 1)} tokens/s; engine/HF {_ci(ar['engine_vs_hf'], ar['engine_vs_hf_ci'])}× "
+                     f"({ar['pairs']} pairs timed side by side); same weights: max |Δ logit| "
                      f"{ar['hf_max_abs_logit_diff']:.1e}")  # fmt: skip
         out.append(line)
-        out.append("\n### Speculative, batch 1 (speedup vs the same system's AR)\n")
+        out.append(
+            "\n### Speculative, batch 1 (speedup vs the same system's AR, timed side by side, 95 % CI)\n"
+        )
         out.append(_table(
-            ["system", "rule", "L_d", "tokens/s", "α", "tokens / target forward", "speedup", "predicted", "meas/pred"],
+            ["system", "rule", "L_d", "tokens/s", "α", "tokens / target forward", "speedup [95% CI]", "pairs",
+             "predicted", "meas/pred [95% CI]"],
             [[r["system"], r["rule"], r["draft_len"], _f(r["tokens_per_s"], 1), _f(r.get("alpha")),
-              _f(r["tokens_per_target_forward"]), f"{_f(r['speedup'])}×", _f(r.get("predicted")),
-              _f(r["speedup"] / r["predicted"]) if r.get("predicted") else "—"] for r in res["speculative"]],
+              _f(r["tokens_per_target_forward"]), _ci(r["speedup"], r["speedup_ci"]), r["pairs"], _f(r.get("predicted")),
+              _ci(r["speedup"] / r["predicted"], [x / r["predicted"] for x in r["speedup_ci"]]) if r.get("predicted") else "—"]
+             for r in res["speculative"]],
+        ))  # fmt: skip
+        out.append(
+            "\n### Drafter families, batch 1, SYNTHETIC α (speedup vs AR timed side by side, 95 % CI)\n"
+        )
+        out.append(_table(
+            ["drafter", "α", "L_d", "drafting / round (target calls)", "tokens/s", "speedup [95% CI]", "pairs",
+             "predicted", "meas/pred [95% CI]"],
+            [[r["drafter"], _f(r["alpha"]), r["draft_len"], _f(r["draft_per_round"], 3), _f(r["tokens_per_s"], 1),
+              _ci(r["speedup"], r["speedup_ci"]), r["pairs"], _f(r["predicted"]),
+              _ci(r["speedup"] / r["predicted"], [x / r["predicted"] for x in r["speedup_ci"]])]
+             for r in res.get("drafters", [])],
         ))  # fmt: skip
         out.append("\n### Batch throughput (tokens/s, all rows)\n")
         keys = [k for k in res["batch"][0] if k != "batch"]
@@ -582,7 +592,12 @@ def figure(results: dict, path: Path) -> None:
         for i, rule in enumerate(dict.fromkeys(r["rule"] for r in engine_runs)):
             runs = [r for r in engine_runs if r["rule"] == rule and isinstance(r["draft_len"], int)]
             ks = [r["draft_len"] for r in runs]
-            ax.plot(ks, [r["speedup"] for r in runs], "o-", color=f"C{i}", label=f"{rule} measured")
+            speedups = [r["speedup"] for r in runs]
+            err = [[v - r["speedup_ci"][0] for v, r in zip(speedups, runs)],
+                   [r["speedup_ci"][1] - v for v, r in zip(speedups, runs)]]  # fmt: skip
+            ax.errorbar(
+                ks, speedups, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{rule} measured (95% CI)"
+            )
             ax.plot(ks, [r["predicted"] for r in runs], "x--", color=f"C{i}", label=f"{rule} predicted")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set(
@@ -616,7 +631,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shape", choices=[*SHAPES, "both"], default="both", help="both = toy and cosyvoice2"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: few tokens, one repeat, L_d 1-2, batch 1-2"
+        "--quick", action="store_true", help="smoke run: few tokens, two repeats, L_d 1-2, batch 1-2"
     )
     parser.add_argument(
         "--out",
@@ -631,10 +646,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft-lens", default="1,2,3,4,5")
     parser.add_argument("--alphas", default="0.6,0.7,0.8", help="SYNTHETIC acceptance rates")
     parser.add_argument("--batches", default="1,4,8")
-    parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (fastest kept)")
-    # ccda55e: the engine before per-row random streams and on-device statistics.
-    parser.add_argument("--baseline-engine", default="ccda55e",
-                        help="git revision whose ssd/decoding is counted for host syncs too ('' to skip)")  # fmt: skip
+    parser.add_argument("--drafter-len", type=int, default=3, help="L_d of the drafter-family rows")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timings per setting: pairs (alternating order) for a speedup, the median otherwise")  # fmt: skip
     parser.add_argument(
         "--verify-rows", type=int, help="also run the engine with verify calls padded to this many rows"
     )
@@ -645,8 +659,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate / assisted rows")
     args = parser.parse_args(argv)
     if args.quick:
-        args.context, args.tokens, args.repeats = min(args.context, 32), min(args.tokens, 12), 1
-        args.draft_lens, args.alphas, args.batches = "1,2", "0.8", "1,2"
+        args.context, args.tokens, args.repeats = min(args.context, 32), min(args.tokens, 12), 2
+        args.draft_lens, args.alphas, args.batches, args.drafter_len = "1,2", "0.8", "1,2", 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     return args

@@ -78,21 +78,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from ssd.config import compose
     from ssd.evaluation import runner
+    from ssd.evaluation.items import build_test_list, prepare_item
+    from ssd.evaluation.models import load_models
+    from ssd.evaluation.settings import RunSettings
 
     cfg = compose("sweep", ["decoding=ar", "logger=none", "progress=false", *args.overrides])
     with open_dict(cfg):
         cfg.output_dir = str(args.out / "run")
-    torch.set_num_threads(int(cfg.eval.num_threads))
-    m = runner.load_models(cfg)
-    pairs = runner.build_test_list(cfg.eval).head(args.items)
+    settings = RunSettings.from_config(cfg)
+    torch.set_num_threads(int(settings.eval.num_threads))
+    m = load_models(settings)
+    pairs = build_test_list(settings.eval).head(args.items)
     prompts: dict = {}
     items = [
-        runner.prepare_item(cfg, m, i, p, None, prompts) for i, p in enumerate(pairs.itertuples(index=False))
+        prepare_item(m, settings.seed, i, p, None, prompts)
+        for i, p in enumerate(pairs.itertuples(index=False))
     ]
     sr = m.vocoder.sample_rate
     with runner.single_threaded_blas():
-        runner._warm_up(cfg, m, items[0])
-        decoded = [runner._timed_decode(cfg, m, [it])[0].tokens[0] for it in items]
+        runner._warm_up(settings, m, items[0])
+        decoded = [runner._timed_decode(settings, m, [it])[0].tokens[0] for it in items]
         wavs = [m.vocoder.vocode(np.asarray(m.target.codec_tokens(t), dtype=np.int64), it.vprompt)
                 for t, it in zip(decoded, items)]  # fmt: skip
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # the interleaved back-to-back decodes too, which the paired ratio alone would hide).
     # (One pass more, dropped: the first passes after loading run slower.)
     first = np.array(
-        [[runner._timed_decode(cfg, m, [item])[2] for item in items] for _ in range(args.reps + 1)]
+        [[runner._timed_decode(settings, m, [item])[2] for item in items] for _ in range(args.reps + 1)]
     )[1:]
     decode_s = {name: np.zeros((args.reps, len(items))) for name in conditions}
     judge_s = {name: [] for name in conditions}
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     call(wav, item)
                     judge_s[name].append(time.perf_counter() - start)
-                    _, _, seconds = runner._timed_decode(cfg, m, [item])
+                    _, _, seconds = runner._timed_decode(settings, m, [item])
                 decode_s[name][rep, i] = seconds
         print(f"repetition {rep + 1}/{args.reps} done", flush=True)
 
@@ -144,14 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         }
     ]
     for name in names:
-        ratio = decode_s[name] / reference
+        ratio = (
+            decode_s[name] / reference if name != "back to back" else None
+        )  # the reference itself: no ratio
         rows.append({"condition": name, "decode_s_total": float(decode_s[name].sum()),
-                     "ratio_median": float(np.median(ratio)), "ratio_mean": float(ratio.mean()),
+                     "ratio_median": None if ratio is None else float(np.median(ratio)),
+                     "ratio_mean": None if ratio is None else float(ratio.mean()),
                      "vs_first_pass": float(decode_s[name].sum() / first.sum()),
                      "judge_ms_per_call": 1e3 * float(np.mean(judge_s[name]))})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"items": len(items), "reps": args.reps, "overrides": args.overrides, "rows": rows}, indent=2) + "\n")  # fmt: skip
+        {"items": len(items), "reps": args.reps, "overrides": args.overrides, "rows": rows,
+         "decode_seconds": {name: decode_s[name].tolist() for name in names}}, indent=2) + "\n")  # fmt: skip
     (args.out / "command.txt").write_text(
         f"python scripts/bench_judge_isolation.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
     )

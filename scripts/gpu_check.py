@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decoding as bench  # noqa: E402
 
 from ssd.decoding.acceptance import ExactRule, SyntheticRule, ToleranceRule  # noqa: E402
-from ssd.decoding.generate import decode_ar, decode_speculative  # noqa: E402
+from ssd.decoding.generate import Request, decode_ar, decode_speculative  # noqa: E402
+from ssd.decoding.observe import Instruments  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig  # noqa: E402
 from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
 
@@ -118,14 +119,14 @@ def exactness(device: str, rows: int) -> dict:
     target, draft = bench.build_models(EXACTNESS_SHAPE, device, torch.float32, seed=3, head_std=0.25)
     prompt = bench.make_prompt(EXACTNESS_SHAPE, 8, rows)
     law = SamplingConfig(nucleus="cosyvoice", top_k=25, top_p=0.9, ras_window=10, ras_tau=0.1)
-    ar = decode_ar(target, prompt, law, max_len=3, generator=bench._generator(device, 1)).tokens
+    ar = decode_ar(target, Request(prompt, 3, 0, bench._generator(device, 1)), law).tokens
     out = {"rows": rows, "law": repr(law)}
     for name, rule, must_pass in (
         ("exact", ExactRule(), True),
         ("negative control β=1", ToleranceRule(1.0), False),
     ):
         spec = decode_speculative(
-            target, draft, prompt, law, rule, draft_len=2, max_len=3, generator=bench._generator(device, 2)
+            target, draft, Request(prompt, 3, 0, bench._generator(device, 2)), law, rule, 2
         ).tokens
         p, dof = chi_square_same_law(ar, spec)
         out[name] = {"p_value": p, "dof": dof, "ok": (p >= P_REJECT) == must_pass}
@@ -156,7 +157,7 @@ def eager_reference(stage: Stage, args, shape: bench.Shape, targets: dict) -> di
         reference[dtype_name] = {"blocks": blocks, "logits": {k: extend_logits(target, prompt, b, room)
                                                              for k, b in blocks.items()}}  # fmt: skip
         if dtype_name == "float32":
-            reference[dtype_name]["greedy"] = decode_ar(target, prompt, GREEDY, max_len=args.tokens).tokens
+            reference[dtype_name]["greedy"] = decode_ar(target, Request(prompt, args.tokens), GREEDY).tokens
             if not args.no_hf:
                 diff = bench.hf_logits_match(target, bench.hf_causal_lm(target), prompt)
                 r["checks"]["same weights as HF (float32 max |Δ logit|)"] = {"value": diff, "ok": diff < 1e-3}
@@ -186,7 +187,7 @@ def compiled_checks(stage: Stage, args, shape: bench.Shape, targets: dict, refer
             r["checks"][f"compiled == eager {_call_name(k)} logits, {dtype_name} (rel. max |Δ|)"] = {
                 "value": rel, "ok": rel <= TOLERANCE[dtype_name]}  # fmt: skip
         if "greedy" in ref:
-            same = decode_ar(target, prompt, GREEDY, max_len=args.tokens).tokens == ref["greedy"]
+            same = decode_ar(target, Request(prompt, args.tokens), GREEDY).tokens == ref["greedy"]
             r["checks"][f"greedy tokens compiled == eager ({dtype_name})"] = {"value": same, "ok": same}
         costs = bench.step_costs(
             target, prompt, blocks_of(args, dtype_name), args.device, 5 * args.repeats, room
@@ -206,6 +207,11 @@ def exactness_check(stage: Stage, args) -> None:
     r["result"] = result
 
 
+def _quiet() -> Instruments:
+    """Phase times and counts, without the diagnostics a deployment does not compute."""
+    return Instruments(diagnostics=False)
+
+
 def _call_name(k: int) -> str:
     return "decode(1)" if k == 1 else f"verify({k})"
 
@@ -213,39 +219,37 @@ def _call_name(k: int) -> str:
 def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     r, device, tokens = stage.report, args.device, args.tokens
     prompt = bench.make_prompt(shape, args.context)
-    ar_s, _ = bench.best_decode(
-        lambda: decode_ar(target, prompt, bench.LAW, max_len=tokens, generator=bench._generator(device)),
-        args.repeats,
+    engine_ar = bench.decode_seconds(
+        lambda: decode_ar(target, Request(prompt, tokens, 0, bench._generator(device)), bench.LAW, _quiet())
     )
+    ar_s, _ = bench.median_run(engine_ar, args.repeats)
     r["engine AR tokens/s"] = tokens / ar_s
     if not args.no_hf and not stage.over("HF generate"):
         hf = bench.hf_causal_lm(target)
         ids = torch.randint(0, shape.speech_tokens, (1, args.context), device=device)
-        hf_s, _ = bench.hf_generate_seconds(hf, ids, tokens, device, args.repeats)
+        hf_s, _ = bench.median_run(bench.hf_generate(hf, ids, tokens, device), args.repeats)
         r["HF generate tokens/s"] = tokens / hf_s
         del hf
     blocks = [1, *(k + 1 for k in args.draft_lens)]
     t_cost = bench.step_costs(target, prompt, blocks, device, 5 * args.repeats, decode_room(args))
-    c = bench.step_costs(draft, prompt, [1], device, 5 * args.repeats, decode_room(args))[1] / t_cost[1]
+    c = bench.step_costs(draft.model, prompt, [1], device, 5 * args.repeats, decode_room(args))[1] / t_cost[1]
     r["c"], r["v"] = c, {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}
     r["runs"] = []
     for alpha in args.alphas:
         for k in args.draft_lens:
             if stage.over(f"SYNTHETIC α={alpha} L_d={k}"):
                 continue
-            seconds, result = bench.best_decode(
+            timed = bench.paired(engine_ar, bench.decode_seconds(
                 lambda alpha=alpha, k=k: decode_speculative(
-                    target, draft, prompt, bench.LAW, SyntheticRule(alpha), draft_len=k, max_len=tokens,
-                    generator=bench._generator(device), diagnostics=False,
-                ),
-                args.repeats,
-            )  # fmt: skip
-            a = result.stats.acceptance_rate
+                    target, draft, Request(prompt, tokens, 0, bench._generator(device)), bench.LAW,
+                    SyntheticRule(alpha), k, _quiet())), args.repeats)  # fmt: skip
+            a, (lo, hi) = timed["last"].stats.acceptance_rate, timed["speedup_ci"]
             predicted = expected_tokens_per_round(a, k) / (k * c + t_cost[k + 1] / t_cost[1])
-            r["runs"].append({"rule": f"SYNTHETIC α={alpha}", "draft_len": k, "alpha": a, "tokens_per_s": tokens / seconds,
-                              "speedup": ar_s / seconds, "predicted": predicted})  # fmt: skip
-            print(f"   α={alpha} L_d={k}: {tokens / seconds:.1f} tokens/s, {ar_s / seconds:.2f}x (predicted {predicted:.2f}x)",
-                  flush=True)  # fmt: skip
+            r["runs"].append({"rule": f"SYNTHETIC α={alpha}", "draft_len": k, "alpha": a,
+                              "tokens_per_s": tokens / timed["seconds"], "speedup": timed["speedup"],
+                              "speedup_ci": [lo, hi], "predicted": predicted})  # fmt: skip
+            print(f"   α={alpha} L_d={k}: {tokens / timed['seconds']:.1f} tokens/s, {timed['speedup']:.2f}x "
+                  f"[{lo:.2f}, {hi:.2f}] (predicted {predicted:.2f}x)", flush=True)  # fmt: skip
 
 
 def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
@@ -254,15 +258,16 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         if stage.over(f"batch {b}"):
             continue
         prompt = bench.make_prompt(shape, args.context, b)
-        ar_s, _ = bench.best_decode(
-            lambda p=prompt: decode_ar(target, p, bench.LAW, max_len=args.tokens, generator=bench._generator(args.device)),
-            args.repeats,
-        )  # fmt: skip
-        sp_s, _ = bench.best_decode(
-            lambda p=prompt: decode_speculative(target, draft, p, bench.LAW, SyntheticRule(0.8), draft_len=3,
-                                                max_len=args.tokens, generator=bench._generator(args.device), diagnostics=False),
-            args.repeats,
-        )  # fmt: skip
+
+        def request(p=prompt):
+            return Request(p, args.tokens, 0, bench._generator(args.device))
+
+        ar_s, _ = bench.median_run(
+            bench.decode_seconds(lambda: decode_ar(target, request(), bench.LAW, _quiet())), args.repeats
+        )
+        sp_s, _ = bench.median_run(bench.decode_seconds(
+            lambda: decode_speculative(target, draft, request(), bench.LAW, SyntheticRule(0.8), 3, _quiet())),
+            args.repeats)  # fmt: skip
         row = {"batch": b, "AR tokens/s": b * args.tokens / ar_s, "speculative tokens/s (SYNTHETIC α=0.8, L_d=3)":
                b * args.tokens / sp_s}  # fmt: skip
         stage.report["rows"].append(row)
@@ -278,7 +283,7 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     small_prompt = bench.make_prompt(bench.SHAPES["tiny"], args.context)
     with bench.static_cache_path(small_target, small_draft):
         stage.report["torch-function counter"] = bench.syncs_per_round(
-            bench.engine, small_target, small_draft, small_prompt, args.sync_tokens, 3
+            small_target, small_draft, small_prompt, args.sync_tokens, 3
         )
     if torch.device(args.device).type == "cuda":
         # CUDA's own view: every synchronising call warns once in this mode.
@@ -286,9 +291,9 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                result = decode_speculative(target, draft, prompt, bench.LAW, ExactRule(), draft_len=3,
-                                            max_len=args.sync_tokens, generator=bench._generator(args.device),
-                                            diagnostics=False)  # fmt: skip
+                result = decode_speculative(target, draft, Request(prompt, args.sync_tokens, 0,
+                                                                   bench._generator(args.device)),
+                                            bench.LAW, ExactRule(), 3, _quiet())  # fmt: skip
         finally:
             torch.cuda.set_sync_debug_mode("default")
         n = sum("synchroniz" in str(w.message) for w in caught)
@@ -325,9 +330,11 @@ def summary_md(report: dict) -> str:
         lines.append(f"\n## Decoding, batch 1 ({report['dtype']}, {report['compile']})\n")
         lines.append(f"engine AR {dec.get('engine AR tokens/s', float('nan')):.1f} tokens/s; HF generate "
                      f"{dec.get('HF generate tokens/s', float('nan')):.1f} tokens/s; c = {dec.get('c', float('nan')):.3f}\n")  # fmt: skip
-        lines += ["| rule | L_d | α | tokens/s | speedup | predicted |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['rule']} | {r['draft_len']} | {r['alpha']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-                  f"{r['predicted']:.2f}× |" for r in dec.get("runs", [])]  # fmt: skip
+        lines += ["| rule | L_d | α | tokens/s | speedup [95% CI], pairs timed side by side | predicted |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['rule']} | {r['draft_len']} | {r['alpha']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
+                  f"[{r['speedup_ci'][0]:.2f}, {r['speedup_ci'][1]:.2f}] | {r['predicted']:.2f}× |"
+                  for r in dec.get("runs", [])]  # fmt: skip
     rows = report.get("batch", {}).get("rows", [])
     if rows:
         keys = [k for k in rows[0] if k != "batch"]
@@ -391,7 +398,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.device(args.device).type == "cuda"
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     args.shape = "tiny" if args.quick else "cosyvoice2"
-    args.context, args.tokens, args.repeats = (32, 12, 1) if args.quick else (200, 100, 3)
+    args.context, args.tokens, args.repeats = (32, 12, 2) if args.quick else (200, 100, 6)
     args.draft_lens = [1, 2] if args.quick else [1, 2, 3, 4, 5, 6]
     args.alphas = [0.8] if args.quick else [0.6, 0.7, 0.8]
     args.batches = [1, 2] if args.quick else [1, 4, 8]
