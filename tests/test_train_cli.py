@@ -95,7 +95,7 @@ def test_train_draft_cli_writes_draft_csv_and_wandb_offline_run(training_world, 
         "dev/alpha_target_sampling",
         "final/dev/alpha_softmax",
     } <= keys
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
 @pytest.mark.parametrize(
@@ -128,5 +128,5 @@ def test_ddp_sim_trains_with_two_cpu_processes(training_world, tmp_path):
     result = _run(args, tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "draft dev alpha" in result.stdout + result.stderr
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
     load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(training_world["target"]))
