@@ -8,10 +8,25 @@ install:  ## flite + sox for the toy world (apt), torch (CPU wheel) first, then 
 	@command -v flite >/dev/null && command -v sox >/dev/null || { apt-get update -q && apt-get install -y -q flite sox; } \
 		|| { echo "the toy world needs flite and sox: install them (Debian/Ubuntu: apt-get install flite sox)"; exit 1; }
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[judges,dev]"
+	$(PY) -m pip install -e ".[judges,dev,slurm]"
 
 test:  ## fast test suite (minutes)
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+
+COMPAT_VENV ?= .venv-compat
+# The tests of every part that calls a versioned API (torch, torchaudio, transformers, lightning, numpy): model
+# loading and decoding, tokenizers, the resampler and vocoder path, training and its checkpoints.
+COMPAT_TESTS ?= tests/test_environment.py tests/test_features.py tests/test_transformer.py tests/test_cosyvoice2.py \
+	tests/test_llasa.py tests/test_model_configs.py tests/test_cosyvoice_pipeline.py tests/test_cosyvoice_tokenizer.py \
+	tests/test_batch_invariance.py tests/test_compile.py tests/test_speculative.py tests/test_drafters.py \
+	tests/test_sampling.py tests/test_export.py tests/test_prepare.py tests/test_datamodule.py tests/test_training.py \
+	tests/test_train_cli.py
+test-compat:  ## the version-sensitive tests at the declared floors (torch 2.11 + torchaudio, transformers 4.51.3) in $(COMPAT_VENV)
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt torch torchaudio
+	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt -e ".[judges,dev,slurm]"
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
 
 test-slow:  ## the slow tests only
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m slow
@@ -32,4 +47,4 @@ bench:  ## decoding benchmark (toy + CosyVoice 2 shapes): engine vs HF generate/
 gpu-check:  ## one-shot CUDA check (< 8 min on an H200): compiled == eager, exactness, timings -> experiments/results/gpu_engine/
 	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py
 
-.PHONY: help install test test-slow lint toy reproduce-toy bench gpu-check
+.PHONY: help install test test-compat test-slow lint toy reproduce-toy bench gpu-check

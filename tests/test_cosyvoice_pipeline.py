@@ -13,8 +13,9 @@ tokens would give 48,960).
 from __future__ import annotations
 
 import math
+import shlex
+import subprocess
 import sys
-import textwrap
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from ssd.audio.vocoder import CosyVoice2Vocoder
+from ssd.audio.vocoder import CosyVoice2Vocoder, WorkerError
 from ssd.contracts import VocoderPrompt
 from tests.fixtures_models import TINY_SPEECH_TOKENS
 
@@ -60,6 +61,11 @@ def conditioning(speech, sr, truncate):
 
 
 class CosyVoiceFrontEnd:
+    def __init__(self, get_tokenizer, feat_extractor, campplus_model, speech_tokenizer_model, spk2info="",
+                 allowed_special="all"):
+        self.tokenizer = get_tokenizer()
+        self.speech_tokenizer_model = speech_tokenizer_model
+
 '''
 
 # One frontend_zero_shot per upstream generation (signatures as upstream's at those commits).
@@ -98,13 +104,18 @@ FRONTENDS = {
 """,
 }
 
-_MODEL = '''
-"""Stand-in CosyVoice2Model (tests only): token2wav's interface and output length law."""
+# Upstream's model classes, cut to the non-streaming token2wav path; the flow and HiFT below carry one weight
+# each (0 until flow.pt / hift.pt are loaded), so the waveform's level shows that the files were loaded.
+_MODEL = """
+\"\"\"Stand-in cosyvoice.cli.model (tests only): token2wav's interface and output length law.\"\"\"
 import torch
 
 
 class CosyVoice2Model:
-    def __init__(self):
+    def __init__(self, llm, flow, hift, fp16=False):
+        self.device = torch.device("cpu")
+        self.llm, self.flow, self.hift, self.fp16 = llm, flow, hift, fp16
+        self.llm.to(self.device)  # upstream moves / halves the LM in some versions
         self.hift_cache_dict = {}
         self.calls = []
 
@@ -112,25 +123,118 @@ class CosyVoice2Model:
                   finalize=False, speed=1.0):
         assert self.hift_cache_dict[uuid] is None and finalize and token_offset == 0
         self.calls.append({"token": token, "prompt_token": prompt_token, "prompt_feat": prompt_feat})
-        # flow: (prompt + new) tokens at 2 mel frames each, minus the prompt's mel; HiFT: 480 samples a frame
-        frames = 2 * (prompt_token.shape[1] + token.shape[1]) - prompt_feat.shape[1]
-        return embedding[:, :1].expand(1, 480 * frames).clone()
-'''
-
-_COSYVOICE = '''
-"""Stand-in cosyvoice.cli.cosyvoice (tests only)."""
-import matcha  # noqa: F401  (upstream imports from third_party/Matcha-TTS; the path setup must allow it)
-
-from cosyvoice.cli.frontend import CosyVoiceFrontEnd
-from cosyvoice.cli.model import CosyVoice2Model
+        mel, _ = self.flow.inference(token=token, token_len=torch.tensor([token.shape[1]]), prompt_token=prompt_token,
+                                     prompt_token_len=torch.tensor([prompt_token.shape[1]]), prompt_feat=prompt_feat,
+                                     prompt_feat_len=torch.tensor([prompt_feat.shape[1]]), embedding=embedding,
+                                     streaming=stream, finalize=finalize)
+        speech, _ = self.hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))
+        return speech
 
 
-class CosyVoice2:
-    def __init__(self, model_dir, load_jit=False, load_trt=False, fp16=False):
-        self.sample_rate = 24000
-        self.frontend = CosyVoiceFrontEnd()
-        self.model = CosyVoice2Model()
-'''
+class CosyVoice3Model(CosyVoice2Model):
+    def token2wav(self, token, prompt_token, prompt_feat, embedding, token_offset, uuid, stream=False,
+                  finalize=False, speed=1.0):
+        self.calls.append({"token": token, "prompt_token": prompt_token, "prompt_feat": prompt_feat})
+        mel, _ = self.flow.inference(token=token, token_len=torch.tensor([token.shape[1]]), prompt_token=prompt_token,
+                                     prompt_token_len=torch.tensor([prompt_token.shape[1]]), prompt_feat=prompt_feat,
+                                     prompt_feat_len=torch.tensor([prompt_feat.shape[1]]), embedding=embedding,
+                                     streaming=stream, finalize=finalize)
+        assert self.hift_cache_dict[uuid] is None
+        self.hift_cache_dict[uuid] = {"mel": mel, "speech_offset": 0}
+        speech, _ = self.hift.inference(speech_feat=mel, finalize=finalize)
+        return speech
+"""
+
+_FLOW = """
+import os
+import sys
+
+import torch
+
+
+class CausalMaskedDiffWithXvec(torch.nn.Module):
+    def __init__(self, token_mel_ratio=2, output_size=80):
+        super().__init__()
+        self.token_mel_ratio, self.output_size = token_mel_ratio, output_size
+        self.scale = torch.nn.Parameter(torch.zeros(()))
+
+    def inference(self, token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
+                  streaming, finalize):
+        if (token < 0).any():
+            raise ValueError("negative speech token")
+        if (token >= 6561).any():
+            print("fatal: token beyond the codebook", file=sys.stderr, flush=True)
+            os._exit(3)
+        # (prompt + new) tokens at 2 mel frames each, minus the prompt's own mel frames
+        frames = self.token_mel_ratio * (prompt_token.shape[1] + token.shape[1]) - prompt_feat.shape[1]
+        return (embedding[:, :1, None] * self.scale).expand(1, self.output_size, frames).clone(), None
+
+
+class CausalMaskedDiffWithDiT(CausalMaskedDiffWithXvec):
+    pass
+"""
+
+_HIFT = """
+import torch
+
+
+class HiFTGenerator(torch.nn.Module):
+    def __init__(self, sampling_rate=24000):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.zeros(()))
+
+    def inference(self, speech_feat, cache_source=None):
+        # 480 samples per mel frame at 24 kHz
+        return (speech_feat.mean(1) * self.gain).repeat_interleave(480, dim=1), None
+
+
+class CausalHiFTGenerator(HiFTGenerator):
+    def inference(self, speech_feat, finalize=True):
+        return super().inference(speech_feat)
+"""
+
+_LLM = """
+class Qwen2LM:
+    def __init__(self, **kwargs):
+        raise RuntimeError("upstream's LM was built")
+
+
+CosyVoice3LM = Qwen2LM
+"""
+
+_TOKENIZER = """
+def get_qwen_tokenizer(token_path, skip_special_tokens):
+    assert token_path.endswith("CosyVoice-BlankEN"), token_path
+    return object()
+"""
+
+# The model dir's HyperPyYAML in upstream's format (the entries token2wav and the frontend read, plus the
+# LM's, whose construction must never happen).
+_HYPERPYYAML = """
+sample_rate: 24000
+qwen_pretrain_path: ''
+token_mel_ratio: 2
+llm: !new:cosyvoice.llm.llm.{llm}
+    llm_input_size: 896
+flow: !new:cosyvoice.flow.flow.{flow}
+    token_mel_ratio: !ref <token_mel_ratio>
+hift: !new:cosyvoice.hifigan.generator.{hift}
+    sampling_rate: !ref <sample_rate>
+get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
+    token_path: !ref <qwen_pretrain_path>
+    skip_special_tokens: True
+allowed_special: 'all'
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    sampling_rate: !ref <sample_rate>
+"""
+MODEL_FILES = {  # model_class -> (yaml, speech tokenizer, LM class, flow class, HiFT class), as upstream's
+    "CosyVoice2": ("cosyvoice2.yaml", "speech_tokenizer_v2.onnx", "Qwen2LM", "CausalMaskedDiffWithXvec",
+                   "HiFTGenerator"),
+    "CosyVoice3": ("cosyvoice3.yaml", "speech_tokenizer_v3.onnx", "CosyVoice3LM", "CausalMaskedDiffWithDiT",
+                   "CausalHiFTGenerator"),
+}  # fmt: skip
+FLOW_SCALE, HIFT_GAIN = 1.5, 2.0  # the stored weights: the waveform is 3x the embedding's value
 
 
 def _write_checkout(root, generation):
@@ -139,19 +243,32 @@ def _write_checkout(root, generation):
         "cosyvoice/cli/__init__.py": "",
         "cosyvoice/cli/frontend.py": _FRONTEND_COMMON + FRONTENDS[generation],
         "cosyvoice/cli/model.py": _MODEL,
-        "cosyvoice/cli/cosyvoice.py": _COSYVOICE,
+        "cosyvoice/llm/__init__.py": "",
+        "cosyvoice/llm/llm.py": _LLM,
+        "cosyvoice/flow/__init__.py": "",
+        "cosyvoice/flow/flow.py": _FLOW,
+        "cosyvoice/hifigan/__init__.py": "",
+        "cosyvoice/hifigan/generator.py": _HIFT,
+        "cosyvoice/tokenizer/__init__.py": "",
+        "cosyvoice/tokenizer/tokenizer.py": _TOKENIZER,
         "third_party/Matcha-TTS/matcha/__init__.py": "",
+        "third_party/Matcha-TTS/matcha/utils/__init__.py": "",
+        "third_party/Matcha-TTS/matcha/utils/audio.py": "def mel_spectrogram(y, n_fft, sampling_rate):\n    pass\n",
     }
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(textwrap.dedent(text) if rel.endswith("model.py") else text)
+        (root / rel).write_text(text)
     return root
 
 
-def _model_dir(root):
+def _model_dir(root, model_class="CosyVoice2", yaml_text=None):
+    config, tokenizer, llm, flow, hift = MODEL_FILES[model_class]
     root.mkdir(parents=True, exist_ok=True)
-    for name in ("flow.pt", "hift.pt"):
-        (root / name).write_bytes(b"")  # the stand-in never reads them; the vocoder checks they exist
+    (root / config).write_text(yaml_text or _HYPERPYYAML.format(llm=llm, flow=flow, hift=hift))
+    torch.save({"scale": torch.tensor(FLOW_SCALE)}, root / "flow.pt")
+    torch.save({"generator.gain": torch.tensor(HIFT_GAIN)}, root / "hift.pt")  # upstream strips "generator."
+    for name in ("campplus.onnx", tokenizer):
+        (root / name).write_bytes(b"")  # the stand-in frontend never opens them
     return root
 
 
@@ -169,9 +286,10 @@ def isolated_imports(monkeypatch):
     forget()
 
 
-def _vocoder(tmp_path, generation):
+def _vocoder(tmp_path, generation, model_class="CosyVoice2", python=None):
     repo = _write_checkout(tmp_path / f"CosyVoice-{generation}", generation)
-    return CosyVoice2Vocoder(repo, _model_dir(tmp_path / "CosyVoice2-0.5B"))
+    model_dir = _model_dir(tmp_path / f"{model_class}-0.5B", model_class)
+    return CosyVoice2Vocoder(repo, model_dir, python=python, model_class=model_class)
 
 
 def _prompt_wav(sr=PROMPT_SR, seconds=PROMPT_SECONDS):
@@ -199,12 +317,13 @@ def test_prompt_cut_as_upstream_and_output_length_for_every_frontend_generation(
     new_tokens = np.arange(NEW_TOKENS) % 7
     wav = vocoder.vocode(new_tokens, prepared)
     assert wav.dtype == np.float32 and wav.shape == (48_000,)
-    call = vocoder.model.model.calls[-1]
+    call = vocoder.engine.model.calls[-1]
     assert call["prompt_token"].tolist() == [prepared.tokens.tolist()]
     assert call["prompt_feat"].shape == (1, 2 * UPSTREAM_PROMPT_TOKENS, 80)
     assert call["token"].tolist() == [new_tokens.tolist()]
-    # The embedding reaching token2wav is the frontend's (the stand-in's is the prompt's RMS, 0.3 / sqrt 2).
-    np.testing.assert_allclose(wav, 0.3 / np.sqrt(2), rtol=1e-3)
+    # The embedding reaching token2wav is the frontend's (the stand-in's is the prompt's RMS, 0.3 / sqrt 2),
+    # through the flow and HiFT weights of flow.pt and hift.pt.
+    np.testing.assert_allclose(wav, FLOW_SCALE * HIFT_GAIN * 0.3 / np.sqrt(2), rtol=1e-3)
 
     # An unprepared prompt is cut the same way; the frontend ran once for all of this (conditioning cached).
     assert vocoder.vocode(new_tokens, prompt).shape == (48_000,)
@@ -225,11 +344,11 @@ def test_negative_control_the_uncut_prompt_gives_upstreams_wrong_length(tmp_path
     earlier behaviour) give 48,960 samples, not 48,000."""
     vocoder = _vocoder(tmp_path, "tensor-untruncated-c693039")
     prompt = _prompt()
-    inputs = vocoder.model.frontend.frontend_zero_shot(
+    inputs = vocoder.engine.frontend.frontend_zero_shot(
         "", prompt.text, torch.from_numpy(_prompt_wav(16_000))[None], 24_000
     )
-    vocoder.model.model.hift_cache_dict["s"] = None
-    wav = vocoder.model.model.token2wav(
+    vocoder.engine.model.hift_cache_dict["s"] = None
+    wav = vocoder.engine.model.token2wav(
         token=torch.zeros(1, NEW_TOKENS, dtype=torch.int32),
         prompt_token=torch.as_tensor(prompt.tokens)[None],
         prompt_feat=inputs["prompt_speech_feat"],
@@ -265,7 +384,7 @@ def test_missing_paths_are_clear_errors_before_any_import(tmp_path):
     with pytest.raises(ValueError, match="vocoder.cosyvoice_repo is not set"):
         CosyVoice2Vocoder(None, tmp_path)
     repo = _write_checkout(tmp_path / "CosyVoice", "path-622a3a1")
-    with pytest.raises(FileNotFoundError, match="flow.pt not found.*vocoder.model_dir="):
+    with pytest.raises(FileNotFoundError, match="cosyvoice2.yaml not found.*vocoder.model_dir="):
         CosyVoice2Vocoder(repo, tmp_path / "empty")
     assert "cosyvoice" not in sys.modules
 
@@ -340,3 +459,137 @@ def test_written_model_dir_opens_with_upstreams_qwen2_loader_and_ours(tmp_path, 
         assert torch.equal(read[key], value), key
     assert (qwen.lm_head.weight is qwen.model.embed_tokens.weight) == tied
     CosyVoice2LM.from_dir(model_dir)  # strict llm.pt load, unchanged
+
+
+# --- upstream's LM is never built; CosyVoice 3; the worker in another Python ----------------------------------
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_upstreams_lm_is_never_built_and_its_loader_would_build_it(tmp_path):
+    """The stand-in LM raises when constructed. The vocoder builds flow, HiFT and frontend from the model dir's
+    HyperPyYAML without it; loading that file as upstream's CosyVoice2 does (negative control) builds it."""
+    vocoder = _vocoder(tmp_path, "path-622a3a1")
+    assert type(vocoder.engine.model.llm) is torch.nn.Module and not list(
+        vocoder.engine.model.llm.parameters()
+    )
+    assert (
+        vocoder.engine.model.flow.scale.item() == FLOW_SCALE
+        and vocoder.engine.model.hift.gain.item() == HIFT_GAIN
+    )
+    from hyperpyyaml import load_hyperpyyaml
+
+    with (
+        open(tmp_path / "CosyVoice2-0.5B" / "cosyvoice2.yaml") as f,
+        pytest.raises(RuntimeError, match="LM was built"),
+    ):
+        load_hyperpyyaml(f, overrides={"qwen_pretrain_path": "x/CosyVoice-BlankEN"})
+
+
+@pytest.mark.usefixtures("isolated_imports")
+@pytest.mark.parametrize("python", [None, sys.executable], ids=["in-process", "worker"])
+def test_cosyvoice3_builds_its_own_classes_and_files(tmp_path, python):
+    """model_class=CosyVoice3: cosyvoice3.yaml, CosyVoice3Model's token2wav (its own HiFT cache), the flow with
+    DiT and the causal HiFT, speech_tokenizer_v3.onnx for the frontend; same prompt cut and length law."""
+    vocoder = _vocoder(tmp_path, "path-622a3a1", model_class="CosyVoice3", python=python)
+    prompt = vocoder.prepare_prompt(_prompt())
+    assert prompt.tokens.size == UPSTREAM_PROMPT_TOKENS
+    wav = vocoder.vocode(np.arange(NEW_TOKENS) % 7, prompt)
+    assert wav.shape == (48_000,)
+    np.testing.assert_allclose(wav, FLOW_SCALE * HIFT_GAIN * 0.3 / np.sqrt(2), rtol=1e-3)
+    if python is None:
+        engine = vocoder.engine
+        assert type(engine.model).__name__ == "CosyVoice3Model"
+        assert type(engine.model.flow).__name__ == "CausalMaskedDiffWithDiT"
+        assert type(engine.model.hift).__name__ == "CausalHiFTGenerator"
+        assert engine.frontend.speech_tokenizer_model.endswith("speech_tokenizer_v3.onnx")
+        assert engine.model.hift_cache_dict == {}  # the session's HiFT cache is dropped after each call
+    vocoder.close()
+
+
+@pytest.mark.usefixtures("isolated_imports")
+@pytest.mark.parametrize("generation", ["path-622a3a1", "tensor-spk-id-9fea0f0"])
+def test_worker_gives_what_in_process_gives(tmp_path, generation):
+    """vocoder.python=<another Python>: the same cut tokens and the same samples as in this process, the
+    frontend run once per prompt (the conditioning is cached on this side)."""
+    here = _vocoder(tmp_path / "here", generation)
+    there = _vocoder(tmp_path / "there", generation, python=sys.executable)
+    assert there.frontend_api == here.frontend_api and there.sample_rate == here.sample_rate == 24_000
+    prompt = _prompt(sr=44_100)
+    new_tokens = np.arange(NEW_TOKENS) % 7
+    prepared = there.prepare_prompt(prompt)
+    np.testing.assert_array_equal(prepared.tokens, here.prepare_prompt(prompt).tokens)
+    np.testing.assert_array_equal(there.vocode(new_tokens, prepared), here.vocode(new_tokens, prepared))
+    assert len(there._conditioning) == 1
+    there.close()
+    assert there.engine._process.poll() == 0  # ended cleanly on EOF
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_worker_errors_carry_the_traceback_and_a_command_that_reproduces_them(tmp_path):
+    vocoder = _vocoder(tmp_path, "path-622a3a1", python=sys.executable)
+    prompt = vocoder.prepare_prompt(_prompt())
+    with pytest.raises(WorkerError) as err:
+        vocoder.vocode(np.array([3, -1, 4]), prompt)
+    message = str(err.value)
+    assert "ValueError: negative speech token" in message
+    assert "--- worker traceback ---" in message and "cosyvoice/flow/flow.py" in message
+    command = message.split("Reproduce: ", 1)[1].strip()
+    assert "--replay" in command
+    rerun = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert rerun.returncode != 0 and "ValueError: negative speech token" in rerun.stderr
+    # The worker survives a failed request.
+    assert vocoder.vocode(np.arange(NEW_TOKENS) % 7, prompt).shape == (48_000,)
+
+    with pytest.raises(
+        WorkerError,
+        match=r"(?s)exited with code 3 during token2wav.*fatal: token beyond the codebook.*--replay",
+    ):
+        vocoder.vocode(np.array([6561]), prompt)
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_worker_start_errors_name_the_python_and_a_check_command(tmp_path):
+    repo = _write_checkout(tmp_path / "CosyVoice", "path-622a3a1")
+    broken = _HYPERPYYAML.format(llm="Qwen2LM", flow="NoSuchFlow", hift="HiFTGenerator")
+    model_dir = _model_dir(tmp_path / "CosyVoice2-0.5B", yaml_text=broken)
+    with pytest.raises(WorkerError) as err:
+        CosyVoice2Vocoder(repo, model_dir, python=sys.executable)
+    message = str(err.value)
+    assert (
+        "failed during start" in message and "NoSuchFlow" in message and "--- worker traceback ---" in message
+    )
+    command = message.split("Reproduce: ", 1)[1].strip()
+    assert command.endswith("--check")
+    rerun = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert rerun.returncode != 0 and "NoSuchFlow" in rerun.stderr
+    with pytest.raises(FileNotFoundError, match="vocoder.python=/no/such/python is not an executable Python"):
+        CosyVoice2Vocoder(repo, model_dir, python="/no/such/python")
+
+
+def test_worker_script_needs_only_the_standard_library_at_import():
+    """The worker runs in the CosyVoice environment, where ssd is not installed: the file imports nothing from
+    ssd, and only the standard library before a Token2Wav is built."""
+    import ast
+
+    from ssd.audio import cosyvoice_token2wav
+
+    tree = ast.parse(open(cosyvoice_token2wav.__file__).read())
+    every = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    every |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert "ssd" not in every
+    top = {
+        alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names
+    }
+    top |= {
+        node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert top <= set(sys.stdlib_module_names) | {"__future__"}, top - set(sys.stdlib_module_names)

@@ -170,7 +170,7 @@ def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(traini
     first = train(compose_train_config(training_world, run, "max_steps=6", "val_every_steps=3"))
     assert first["global_step"] == 6
     assert 0.0 < first["before/dev/alpha_softmax"] < 1.0 and 0.0 < first["dev/alpha_softmax"] < 1.0
-    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     target = CosyVoice2LM.from_dir(training_world["target"])
     draft = load_draft(run / "draft.pt", target)
     trainable = {f"model.{k}" for k, p in draft.named_parameters() if p.requires_grad}
@@ -184,7 +184,7 @@ def test_train_exports_the_draft_and_resume_continues_steps_and_optimizer(traini
     second = train(compose_train_config(training_world, run, "max_steps=10", "val_every_steps=3"))
     assert second["global_step"] == 10
     assert second["before/dev/alpha_softmax"] == first["before/dev/alpha_softmax"]  # kept from the first run
-    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert _adam_steps(resumed) == {10}  # AdamW's state continued from step 6, not restarted
     assert resumed["lr_schedulers"][0]["last_epoch"] == 10
     assert sorted(p.name for p in (run / "csv").iterdir()) == [
@@ -233,3 +233,68 @@ def test_dev_alpha_of_a_repetition_penalty_law_says_it_leaves_the_penalty_out(tr
     assert module.agreement_sampling.repetition_penalty is None
     assert module.agreement_sampling.top_k == 25
     assert "repetition_penalty=1.2" in caplog.text
+
+
+class _RunsCodeWhenUnpickled:
+    """What a tampered checkpoint can hold: unpickling it calls open(marker, "w")."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_resume_refuses_a_checkpoint_whose_unpickling_runs_code(training_world, tmp_path):
+    from ssd.training.train import train
+
+    run = tmp_path / "run"
+    marker = tmp_path / "code_ran"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save(
+        {"state_dict": {}, "payload": _RunsCodeWhenUnpickled(marker)}, run / "checkpoints" / "last.ckpt"
+    )
+    with pytest.raises(
+        ValueError, match=r"not resuming from .*last.ckpt: it does not load with weights_only=True"
+    ):
+        train(compose_train_config(training_world, run, "max_steps=2", "val_every_steps=2"))
+    assert not marker.exists()
+    # Negative control: the same file loaded the way resume used to load it runs the payload.
+    torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "env, zero",
+    [
+        ({}, True),
+        ({"RANK": "0", "LOCAL_RANK": "0"}, True),  # torchrun
+        ({"RANK": "8", "LOCAL_RANK": "0", "NODE_RANK": "1"}, False),  # torchrun, second node's first GPU
+        ({"NODE_RANK": "1"}, False),  # Lightning's launcher: the second node's first process
+        ({"NODE_RANK": "0", "LOCAL_RANK": "1"}, False),  # ... a process it started on the first node
+        ({"SLURM_PROCID": "0"}, True),  # srun, first task
+        ({"SLURM_PROCID": "5"}, False),  # srun, another task
+        ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),  # Lightning's launcher inside one SLURM task
+    ],
+)
+def test_global_rank_zero_from_each_launchers_environment(env, zero):
+    from ssd.training.train import is_global_rank_zero
+
+    assert is_global_rank_zero(env) is zero
+
+
+def test_the_second_nodes_first_process_shares_the_run_dir_lock(tmp_path, monkeypatch):
+    """Two nodes on a shared filesystem: node 0's rank 0 holds the lock; node 1's first process (LOCAL_RANK 0,
+    NODE_RANK 1) must run inside it. A second training on node 0 is still refused."""
+    from ssd.files import RunDirLock
+    from ssd.training.train import training_dir_lock
+
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    with RunDirLock(tmp_path, "training run"):
+        monkeypatch.setenv("NODE_RANK", "1")
+        with training_dir_lock(tmp_path):
+            pass
+        monkeypatch.setenv("NODE_RANK", "0")
+        with pytest.raises(Exception, match="in use"), training_dir_lock(tmp_path):
+            pass

@@ -1,4 +1,5 @@
-"""Audio loading, resampling and the Whisper-style log-mel that CosyVoice 2's speech tokenizer reads.
+"""Audio loading, resampling (upstream CosyVoice's filter) and the Whisper-style log-mel that CosyVoice 2's
+speech tokenizer reads.
 
 The log-mel reproduces `whisper.log_mel_spectrogram(audio, n_mels=128)` (the call CosyVoice's frontend
 makes) without depending on openai-whisper: 16 kHz input, 25 ms Hann window (n_fft 400), 10 ms hop
@@ -8,6 +9,7 @@ clamped to 8 (i.e. 80 dB) below the maximum, then (x + 4) / 4.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -96,10 +98,67 @@ def whisper_log_mel(audio: np.ndarray | torch.Tensor, n_mels: int = N_MELS) -> t
     return (log_spec + 4.0) / 4.0
 
 
+# Upstream CosyVoice resamples every prompt with torchaudio's `transforms.Resample` at its defaults: a
+# Hann-windowed sinc with 6 zero crossings and the cut-off at 0.99 of the lower Nyquist frequency.
+SINC_ZERO_CROSSINGS = 6
+SINC_ROLLOFF = 0.99
+
+
+@lru_cache(maxsize=1)
+def _torchaudio_resample_class():
+    """torchaudio.transforms.Resample, or None where torchaudio is missing or does not load with this torch
+    (a torchaudio built for another torch fails at import with an OSError or a RuntimeError)."""
+    try:
+        from torchaudio.transforms import Resample
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return Resample
+
+
+@lru_cache(maxsize=16)
+def _torchaudio_resampler(orig_sr: int, target_sr: int):
+    return _torchaudio_resample_class()(orig_sr, target_sr)
+
+
+@lru_cache(maxsize=16)
+def sinc_kernel(orig_sr: int, target_sr: int) -> tuple[torch.Tensor, int, int, int]:
+    """The polyphase filters of torchaudio's default Resample for orig_sr -> target_sr.
+
+    Returns (kernel float32 [new, 1, 2 * width + orig], width, orig, new) where orig / new are the rates
+    divided by their gcd: output sample j * new + k is the dot product of filter k with the input (padded by
+    `width` zeros on the left) from sample j * orig on. Filter k is a sinc with cut-off
+    min(orig, new) * rolloff, centred on the output instant (j + k / new) * orig, under a Hann window that
+    reaches zero at the 6th zero crossing. Computed in float64, stored as float32, as torchaudio does.
+    """
+    gcd = math.gcd(int(orig_sr), int(target_sr))
+    orig, new = int(orig_sr) // gcd, int(target_sr) // gcd
+    cutoff = min(orig, new) * SINC_ROLLOFF
+    width = math.ceil(SINC_ZERO_CROSSINGS * orig / cutoff)
+    offsets = np.arange(-width, width + orig, dtype=np.float64) / orig  # input taps, in units of orig samples
+    # Each output phase's instant within a step; torchaudio forms this quotient in float32 (default dtype)
+    # before mixing it with float64 offsets, and so does this, so the filters agree to float32 precision.
+    phase = (np.arange(new, dtype=np.float32)[:, None] / np.float32(new)).astype(np.float64)
+    x = np.clip((offsets[None, :] - phase) * cutoff, -SINC_ZERO_CROSSINGS, SINC_ZERO_CROSSINGS)
+    window = np.cos(x * np.pi / (2 * SINC_ZERO_CROSSINGS)) ** 2
+    kernel = np.sinc(x) * window * (cutoff / orig)
+    return torch.from_numpy(kernel.astype(np.float32))[:, None, :], width, orig, new
+
+
+def resample_sinc(wav: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """torchaudio's default Resample written out, for environments where torchaudio does not import (it has
+    no build for this project's newest torch). Mono float32 -> float32 with ceil(n * target / orig) samples."""
+    kernel, width, orig, new = sinc_kernel(int(orig_sr), int(target_sr))
+    signal = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))[None, None]
+    padded = torch.nn.functional.pad(signal, (width, width + orig))
+    phases = torch.nn.functional.conv1d(padded, kernel, stride=orig)  # [1, new, steps]
+    n_out = -(-new * wav.shape[-1] // orig)
+    return phases[0].T.reshape(-1)[:n_out].numpy()
+
+
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
     """The project's one resampler (tokenizers, judges, vocoders): mono float audio at `orig_sr` ->
-    contiguous float32 at `target_sr`, by soxr (band-limited, high quality). Upstream CosyVoice uses
-    torchaudio's Resample, which cannot be imported next to this torch; docs/target-cosyvoice2.md §4."""
+    contiguous float32 at `target_sr`, as upstream CosyVoice resamples its prompts: torchaudio's
+    `transforms.Resample` where torchaudio imports, else the same filter (`resample_sinc`)."""
     wav = np.asarray(wav)
     if wav.ndim != 1:
         raise ValueError(
@@ -115,9 +174,11 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.
         raise ValueError("waveform contains NaN or inf samples")
     wav = wav.astype(np.float32, copy=False)
     if int(orig_sr) != int(target_sr) and wav.size:
-        import soxr
-
-        wav = soxr.resample(wav, int(orig_sr), int(target_sr))
+        if _torchaudio_resample_class() is not None:
+            with torch.no_grad():
+                wav = _torchaudio_resampler(int(orig_sr), int(target_sr))(torch.from_numpy(wav)).numpy()
+        else:
+            wav = resample_sinc(wav, int(orig_sr), int(target_sr))
     return np.ascontiguousarray(wav, dtype=np.float32)
 
 

@@ -2,12 +2,14 @@
 
 Backends (Hydra `_target_`s in configs/vocoder/):
   (the toy world's vocoder is ssd.toy_world.codec.ToyVocoder)
-  cosyvoice2  CosyVoice 2's flow matching + HiFT, imported from a user-provided CosyVoice checkout
-              (`vocoder.cosyvoice_repo=`) with the model dir (`vocoder.model_dir=`). It follows upstream's
-              zero-shot path (docs/target-cosyvoice2.md): the checkout's own `frontend_zero_shot` builds the
-              flow's conditioning (24 kHz mel, CAM++ embedding) once per prompt, the prompt tokens are cut to
-              half the mel's frames as upstream's frontend cuts them, then `model.token2wav(...,
-              token_offset=0, finalize=True)`.
+  cosyvoice2  CosyVoice 2's (or 3's) flow matching + HiFT from a user-provided CosyVoice checkout
+              (`vocoder.cosyvoice_repo=`) and model dir (`vocoder.model_dir=`), built without upstream's LM
+              (ssd/audio/cosyvoice_token2wav.py). It follows upstream's zero-shot path
+              (docs/target-cosyvoice2.md): the checkout's own `frontend_zero_shot` builds the flow's
+              conditioning (24 kHz mel, CAM++ embedding) once per prompt, the prompt tokens are cut to half
+              the mel's frames as upstream's frontend cuts them, then `model.token2wav(..., token_offset=0,
+              finalize=True)`. In this process, or with `vocoder.python=` in a worker process running the
+              CosyVoice environment's own Python (its torch and torchaudio), so this one needs neither.
 
 Each constructor checks its paths before importing anything heavy, so a runner fails fast.
 """
@@ -15,125 +17,173 @@ Each constructor checks its paths before importing anything heavy, so a runner f
 from __future__ import annotations
 
 import hashlib
-import inspect
-import sys
+import shlex
+import shutil
+import subprocess
 import tempfile
-import uuid
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ssd.audio import cosyvoice_token2wav as upstream
+from ssd.audio.cosyvoice_token2wav import PATH_API, TENSOR_API, Token2Wav, check_paths
 from ssd.audio.features import resample
 from ssd.contracts import VocoderPrompt
 
-# Upstream's frontend_zero_shot generations (FunAudioLLM/CosyVoice, cosyvoice/cli/frontend.py), told apart by
-# the name of the prompt-audio parameter: a 16 kHz tensor up to 622a3a1^, a wav path from 622a3a1 on.
-TENSOR_API = "prompt_speech_16k"
-PATH_API = "prompt_wav"
-SUPPORTED_FRONTENDS = (
-    "frontend_zero_shot(tts_text, prompt_text, prompt_speech_16k, resample_rate[, zero_shot_spk_id]) "
-    "[a 16 kHz tensor; upstream c693039 (2024-12-12) up to the parent of 622a3a1] or "
-    "frontend_zero_shot(tts_text, prompt_text, prompt_wav, resample_rate, zero_shot_spk_id) "
-    "[a wav path; upstream 622a3a1 (2025-12-08) on]"
-)
-# Upstream's path loader refuses audio below 16 kHz (load_wav's min_sr); lower rates are raised to it first.
-PATH_API_MIN_RATE = 16_000
-MEL_FRAMES_PER_TOKEN = 2  # CosyVoice 2's flow: token_mel_ratio (25 Hz tokens, 50 Hz mel)
+__all__ = ["PATH_API", "TENSOR_API", "CosyVoice2Vocoder", "Token2WavWorker", "WorkerError"]
+MEL_FRAMES_PER_TOKEN = 2  # CosyVoice 2 and 3's flow: token_mel_ratio (25 Hz tokens, 50 Hz mel)
+WORKER_SCRIPT = Path(upstream.__file__)
+WORKER_LOG_LINES = 40  # the worker's last stderr lines quoted when it dies
 
 
-def frontend_generation(frontend_zero_shot: Any, repo: str | Path) -> tuple[str, bool]:
-    """(TENSOR_API or PATH_API, whether it takes zero_shot_spk_id) for the checkout's bound
-    `CosyVoiceFrontEnd.frontend_zero_shot`; ValueError naming the supported upstream ranges otherwise."""
-    params = list(inspect.signature(frontend_zero_shot).parameters)
-    takes_spk_id = "zero_shot_spk_id" in params
-    if len(params) >= 4 and params[:2] == ["tts_text", "prompt_text"] and params[3] == "resample_rate":
-        if params[2] == TENSOR_API:
-            return TENSOR_API, takes_spk_id
-        if params[2] == PATH_API and takes_spk_id:
-            return PATH_API, True
-    raise ValueError(
-        f"CosyVoice checkout {repo}: CosyVoiceFrontEnd.frontend_zero_shot{inspect.signature(frontend_zero_shot)} "
-        f"fits neither frontend this vocoder supports: {SUPPORTED_FRONTENDS}. Check out a FunAudioLLM/CosyVoice "
-        "commit in one of those ranges (vocoder.cosyvoice_repo=)"
-    )
+class WorkerError(RuntimeError):
+    """A failure inside the token2wav worker: its message carries the worker's traceback and a command that
+    reproduces the failure in the foreground."""
+
+
+class Token2WavWorker:
+    """`Token2Wav` in another Python, the user's CosyVoice environment, as a child process: prompt audio and
+    tokens go in, conditioning and waveforms come back (ssd/audio/cosyvoice_token2wav.py, "the worker
+    protocol"). Its stderr goes to a log file, quoted when it dies."""
+
+    def __init__(
+        self,
+        python: str | Path,
+        repo: Path,
+        model_dir: Path,
+        model_class: str = "CosyVoice2",
+        fp16: bool = False,
+    ) -> None:
+        executable = shutil.which(str(python))
+        if executable is None:
+            raise FileNotFoundError(
+                f"vocoder.python={python} is not an executable Python: give the python of the environment that "
+                "has CosyVoice's requirements (e.g. <conda env>/bin/python)"
+            )
+        self.command = [executable, str(WORKER_SCRIPT), "--repo", str(repo), "--model-dir", str(model_dir),
+                        "--model-class", model_class, *(["--fp16"] if fp16 else [])]  # fmt: skip
+        self.log_path = Path(tempfile.mkstemp(prefix="ssd_token2wav_worker_", suffix=".log")[1])
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=str(repo)
+            )
+        check = shlex.join([*self.command, "--check"])
+        try:
+            ready, _ = self._receive("start")
+        except WorkerError as err:
+            raise WorkerError(f"{err}\nReproduce: {check}") from None
+        if not ready["ok"]:
+            self.close()
+            raise WorkerError(self._failure("start", ready, check))
+        self.info = {k: ready[k] for k in ("sample_rate", "frontend_api", "prompt_rate")}
+
+    def conditioning(self, wav: np.ndarray, sr: int, text: str) -> tuple[np.ndarray, np.ndarray]:
+        out = self._call({"op": "conditioning", "sample_rate": int(sr), "text": text}, {"wav": wav})
+        return out["feat"], out["embedding"]
+
+    def token2wav(self, tokens, prompt_tokens, feat, embedding) -> np.ndarray:
+        arrays = {"tokens": tokens, "prompt_tokens": prompt_tokens, "feat": feat, "embedding": embedding}
+        return self._call({"op": "token2wav"}, arrays)["wav"]
+
+    def _call(self, header: dict[str, Any], arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+        try:
+            upstream.write_message(self._process.stdin, header, arrays)
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # the worker is gone; _receive says why
+        try:
+            response, out = self._receive(header["op"])
+        except WorkerError as err:
+            raise WorkerError(f"{err}\nReproduce: {self._replay_command(header, arrays)}") from None
+        if not response["ok"]:
+            raise WorkerError(self._failure(header["op"], response, self._replay_command(header, arrays)))
+        return out
+
+    def _replay_command(self, header: dict[str, Any], arrays: dict[str, Any]) -> str:
+        saved = upstream.save_request(tempfile.mkdtemp(prefix="ssd_token2wav_request_"), header, arrays)
+        return shlex.join([*self.command, "--replay", str(saved)])
+
+    def _receive(self, what: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        try:
+            return upstream.read_message(self._process.stdout)
+        except (EOFError, OSError, ValueError) as err:
+            code = self._process.wait(timeout=30)
+            with open(self.log_path, errors="replace") as log:
+                tail = "".join(deque(log, maxlen=WORKER_LOG_LINES))
+            raise WorkerError(
+                f"the CosyVoice token2wav worker exited with code {code} during {what} ({err}).\n"
+                f"--- its last stderr lines ({self.log_path}) ---\n{tail}--- end ---"
+            ) from None
+
+    def _failure(self, what: str, response: dict[str, Any], reproduce: str) -> str:
+        return (
+            f"the CosyVoice token2wav worker ({self.command[0]}) failed during {what}: {response['error']}\n"
+            f"--- worker traceback ---\n{response['traceback']}--- end ---\nReproduce: {reproduce}"
+        )
+
+    def close(self) -> None:
+        process = getattr(self, "_process", None)
+        if process is None or process.poll() is not None:
+            return
+        try:
+            process.stdin.close()
+            process.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class CosyVoice2Vocoder:
-    """CosyVoice 2 flow + HiFT from a CosyVoice checkout (the LM is ours; only token2wav is upstream's)."""
+    """CosyVoice 2 (or 3, `model_class="CosyVoice3"`) flow + HiFT from a CosyVoice checkout; the LM is ours,
+    upstream's is never built. In this process by default; with `python=` in that Python's process."""
 
     codebook_size = 6561  # the flow's speech-token embedding rows (FSQ, 3^8), as the tokenizer's
     token_rate = 25
 
     def __init__(
-        self, cosyvoice_repo: str | Path | None, model_dir: str | Path | None, fp16: bool = False
+        self,
+        cosyvoice_repo: str | Path | None,
+        model_dir: str | Path | None,
+        fp16: bool = False,
+        python: str | Path | None = None,
+        model_class: str = "CosyVoice2",
     ) -> None:
-        for key, value in (("cosyvoice_repo", cosyvoice_repo), ("model_dir", model_dir)):
-            if value is None:
-                raise ValueError(
-                    f"vocoder.{key} is not set (vocoder=cosyvoice2; COSYVOICE_REPO / target.model.model_dir)"
-                )
-        repo, model_dir = Path(cosyvoice_repo), Path(model_dir)
-        for path in (
-            repo / "cosyvoice" / "cli" / "cosyvoice.py",
-            model_dir / "flow.pt",
-            model_dir / "hift.pt",
-        ):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path} not found: vocoder=cosyvoice2 needs vocoder.cosyvoice_repo=<a CosyVoice git checkout> "
-                    "and vocoder.model_dir=<CosyVoice2-0.5B dir with flow.pt, hift.pt, campplus.onnx>"
-                )
-        for extra in (repo, repo / "third_party" / "Matcha-TTS"):  # upstream's own import setup
-            if str(extra) not in sys.path:
-                sys.path.insert(0, str(extra))
-        import torch
-
-        try:
-            from cosyvoice.cli.cosyvoice import CosyVoice2
-        except ImportError as err:
-            raise ImportError(
-                f"cannot import CosyVoice2 from the CosyVoice checkout {repo}: {err}. vocoder=cosyvoice2 needs a "
-                "FunAudioLLM/CosyVoice checkout from c693039 (2024-12-12) on, with its requirements installed"
-            ) from err
-
-        self._torch = torch
-        self.model = CosyVoice2(str(model_dir), load_jit=False, load_trt=False, fp16=fp16)
-        self.sample_rate = int(self.model.sample_rate)
-        self.frontend_api, self._pass_spk_id = frontend_generation(
-            self.model.frontend.frontend_zero_shot, repo
-        )
-        self._conditioning: dict[
-            tuple[int, str], tuple[Any, Any]
-        ] = {}  # prompt audio -> (mel feat, embedding)
+        repo, model_dir = check_paths(cosyvoice_repo, model_dir, model_class)
+        if python is None:
+            self.engine: Token2Wav | Token2WavWorker = Token2Wav(repo, model_dir, model_class, fp16)
+            info = self.engine.info()
+        else:
+            self.engine = Token2WavWorker(python, repo, model_dir, model_class, fp16)
+            info = self.engine.info
+        self.model_class = model_class
+        self.sample_rate = int(info["sample_rate"])
+        self.frontend_api = info["frontend_api"]
+        self._prompt_rate = info["prompt_rate"]
+        # prompt audio -> (mel feat [1, frames, 80], embedding [1, 192]), numpy
+        self._conditioning: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
 
     def prepare_prompt(self, prompt: VocoderPrompt) -> VocoderPrompt:
-        """The prompt with its tokens cut as upstream's frontend cuts them for CosyVoice 2 (at most half the
-        24 kHz mel's frames), so the LM and the flow see the same prompt tokens; the conditioning is cached."""
+        """The prompt with its tokens cut as upstream's frontend cuts them (at most half the 24 kHz mel's
+        frames), so the LM and the flow see the same prompt tokens; the conditioning is cached."""
         tokens, _, _ = self._prepared(prompt)
         return replace(prompt, tokens=tokens)
 
     def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray:
-        torch = self._torch
         prompt_tokens, feat, embedding = self._prepared(prompt)
-        session = str(uuid.uuid1())
-        self.model.model.hift_cache_dict[session] = None
-        try:
-            wav = self.model.model.token2wav(
-                token=torch.as_tensor(np.asarray(tokens), dtype=torch.int32)[None],
-                prompt_token=torch.as_tensor(prompt_tokens, dtype=torch.int32)[None],
-                prompt_feat=feat,
-                embedding=embedding,
-                token_offset=0,
-                uuid=session,
-                finalize=True,
-            )
-        finally:
-            self.model.model.hift_cache_dict.pop(session, None)
-        return wav.squeeze(0).float().cpu().numpy()
+        wav = self.engine.token2wav(np.asarray(tokens, dtype=np.int64), prompt_tokens, feat, embedding)
+        return np.asarray(wav, dtype=np.float32)
 
-    def _prepared(self, prompt: VocoderPrompt) -> tuple[np.ndarray, Any, Any]:
+    def close(self) -> None:
+        """Stop the worker process (if any); the vocoder cannot vocode afterwards."""
+        if isinstance(self.engine, Token2WavWorker):
+            self.engine.close()
+
+    def _prepared(self, prompt: VocoderPrompt) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt tokens, mel feat [1, 2 * len(tokens), 80], embedding): upstream's truncation
         token_len = min(mel frames // 2, tokens), applied to our tokens (idempotent, so a prepared prompt
         passes through unchanged; also right for checkouts whose frontend does not truncate yet)."""
@@ -142,30 +192,17 @@ class CosyVoice2Vocoder:
         token_len = min(feat.shape[1] // MEL_FRAMES_PER_TOKEN, tokens.size)
         return tokens[:token_len], feat[:, : MEL_FRAMES_PER_TOKEN * token_len], embedding
 
-    def _prompt_conditioning(self, prompt: VocoderPrompt) -> tuple[Any, Any]:
+    def _prompt_conditioning(self, prompt: VocoderPrompt) -> tuple[np.ndarray, np.ndarray]:
         wav = np.ascontiguousarray(prompt.wav, dtype=np.float32)
         key = (int(prompt.sample_rate), hashlib.blake2b(wav.tobytes(), digest_size=16).hexdigest())
         if key not in self._conditioning:
-            self._conditioning[key] = self._run_frontend(wav, int(prompt.sample_rate), prompt.text)
+            sr = int(prompt.sample_rate)
+            # The tensor generation takes 16 kHz audio; the path generation reads any rate from 16 kHz up
+            # and resamples it itself (upstream's load_wav), so the prompt goes at its own rate there.
+            target = self._prompt_rate or (
+                upstream.PATH_API_MIN_RATE if sr < upstream.PATH_API_MIN_RATE else sr
+            )
+            if target != sr:
+                wav, sr = resample(wav, sr, target), target
+            self._conditioning[key] = self.engine.conditioning(wav, sr, prompt.text)
         return self._conditioning[key]
-
-    def _run_frontend(self, wav: np.ndarray, sr: int, text: str) -> tuple[Any, Any]:
-        """The checkout's own frontend_zero_shot on the prompt (tts text unused) -> (mel feat, embedding)."""
-        frontend = self.model.frontend.frontend_zero_shot
-        extra = ("",) if self._pass_spk_id else ()
-        if self.frontend_api == TENSOR_API:
-            speech_16k = self._torch.from_numpy(resample(wav, sr, 16_000))[None]
-            inputs = frontend("", text, speech_16k, self.sample_rate, *extra)
-        else:
-            import soundfile as sf
-
-            if sr < PATH_API_MIN_RATE:
-                wav, sr = resample(wav, sr, PATH_API_MIN_RATE), PATH_API_MIN_RATE
-            # Float WAV at the prompt's own rate: upstream's load_wav reads it (soundfile) without loss and
-            # resamples to 16 and 24 kHz itself, as for a user's own prompt file.
-            with tempfile.TemporaryDirectory(prefix="ssd_cosyvoice_prompt_") as tmp:
-                path = str(Path(tmp) / "prompt.wav")
-                sf.write(path, wav, sr, subtype="FLOAT")
-                inputs = frontend("", text, path, self.sample_rate, *extra)
-        # Kept on the CPU (many prompts over a run); token2wav moves its inputs to the model's device itself.
-        return inputs["prompt_speech_feat"].cpu(), inputs["flow_embedding"].cpu()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,9 @@ class BackboneConfig:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention_bias = bool(getattr(config, "attention_bias", False))
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope.setdefault("rope_type", "default")
+        # transformers 5 holds RoPE in rope_parameters; 4.x in rope_theta + rope_scaling ({"type": ...} in old files)
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
         rope.setdefault("rope_theta", getattr(config, "rope_theta", 1e4))
         return cls(
             model_type=model_type,
@@ -92,9 +94,14 @@ class BackboneConfig:
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
             tie_word_embeddings=self.tie_word_embeddings,
         )
+        if "rope_parameters" in inspect.signature(Qwen2Config.__init__).parameters:  # transformers 5
+            common["rope_parameters"] = dict(self.rope_parameters)
+        else:  # transformers 4.x: rope_theta, and rope_scaling for every variant but the default
+            scaling = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+            common["rope_theta"] = self.rope_parameters["rope_theta"]
+            common["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
         if self.model_type == "qwen2":
             return Qwen2Config(**common)
         return LlamaConfig(**common, attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)

@@ -9,7 +9,7 @@ import torch
 
 from ssd.models.backbone_config import BackboneConfig
 from ssd.models.cosyvoice2 import TEXT_SPECIAL_TOKENS, CosyVoice2LM
-from ssd.models.text_tokenizer import load_text_tokenizer
+from ssd.models.text_tokenizer import add_special_tokens, load_text_tokenizer
 
 
 def _as_tokenizer(tokenizer: Any, extra_special_tokens=()) -> Any:
@@ -17,9 +17,7 @@ def _as_tokenizer(tokenizer: Any, extra_special_tokens=()) -> Any:
         return load_text_tokenizer(tokenizer, extra_special_tokens=extra_special_tokens)
     missing = [t for t in extra_special_tokens if t not in tokenizer.get_vocab()]
     if missing:
-        tokenizer.add_special_tokens(
-            {"additional_special_tokens": missing}, replace_extra_special_tokens=False
-        )
+        add_special_tokens(tokenizer, missing)
     return tokenizer
 
 
@@ -87,10 +85,7 @@ def write_llasa_dir(
     from ssd.models.llasa import SPECIAL_TOKENS, speech_token
 
     tokenizer = _as_tokenizer(tokenizer)
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]},
-        replace_extra_special_tokens=False,
-    )
+    add_special_tokens(tokenizer, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
     from tokenizers import AddedToken
 
     added = list(SPECIAL_TOKENS) + [speech_token(i) for i in range(num_speech_tokens)]

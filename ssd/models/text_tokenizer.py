@@ -8,6 +8,7 @@ word-level tokenizer of the toy world and of the tests.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,10 +43,19 @@ def load_text_tokenizer(path: str | Path, extra_special_tokens: Sequence[str] = 
     tokenizer = loader.from_pretrained(str(path), local_files_only=True)
     missing = [t for t in extra_special_tokens if t not in tokenizer.get_vocab()]
     if missing:
-        tokenizer.add_special_tokens(
-            {"additional_special_tokens": missing}, replace_extra_special_tokens=False
-        )
+        add_special_tokens(tokenizer, missing)
     return tokenizer
+
+
+def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> None:
+    """Add `tokens` as additional special tokens, keeping the ones the tokenizer already has. The keyword that
+    keeps them was renamed in transformers 5 (replace_additional_special_tokens -> replace_extra_special_tokens);
+    this takes whichever the installed release has."""
+    params = inspect.signature(tokenizer.add_special_tokens).parameters
+    keep = next(
+        k for k in ("replace_extra_special_tokens", "replace_additional_special_tokens") if k in params
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)}, **{keep: False})
 
 
 def write_word_tokenizer(

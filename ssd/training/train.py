@@ -13,15 +13,19 @@ Run directory (`cfg.output_dir`):
     before_training.json           dev metrics before the first step (kept across resumes)
     run.json                       the target's file fingerprints + the draft recipe: a resume must match them
     metrics.json                   what train() returns (written atomically, like every JSON here)
-    .lock                          held while a training writes the dir (a second one fails at once)
+    .lock                          held by global rank 0 while a training writes the dir (a second
+                                   training fails at once; other ranks and nodes share the first one's)
     csv/version_N/metrics.csv      CSV log (one version per run or resume), wandb/: W&B mirror
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
 from functools import partial
 from pathlib import Path
@@ -158,10 +162,42 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     cfg = validate_train_config(cfg)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # DDP workers re-run this; rank 0 holds the dir's lock
+    with training_dir_lock(output_dir):
         return _train(cfg, output_dir)
-    with RunDirLock(output_dir, "training run"):
-        return _train(cfg, output_dir)
+
+
+def is_global_rank_zero(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is global rank 0 of its training, from what the launchers set before Lightning's
+    trainer exists: RANK (torchrun), else NODE_RANK / LOCAL_RANK (Lightning's own launcher; each node's first
+    process has no LOCAL_RANK yet, but a NODE_RANK from the user or the cluster), else SLURM_PROCID (srun)."""
+    if "RANK" in env:
+        return int(env["RANK"]) == 0
+    if "SLURM_PROCID" in env and "LOCAL_RANK" not in env and "NODE_RANK" not in env:
+        return int(env["SLURM_PROCID"]) == 0
+    return int(env.get("NODE_RANK", env.get("GROUP_RANK", 0))) == 0 and int(env.get("LOCAL_RANK", 0)) == 0
+
+
+def training_dir_lock(output_dir: Path) -> contextlib.AbstractContextManager:
+    """The run dir's lock, held by global rank 0 only: every other process of the same training (other
+    GPUs, other nodes on a shared filesystem) runs inside it; a second training fails at once."""
+    return RunDirLock(output_dir, "training run") if is_global_rank_zero() else contextlib.nullcontext()
+
+
+def check_checkpoint_loads_safely(path: str | Path) -> None:
+    """Refuse a checkpoint that would run code when unpickled: it must load with torch.load(weights_only=True)
+    (tensors, containers, numbers, strings), as every last.ckpt this code writes does. mmap reads only the
+    pickle, not the tensor data."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={path} is not a checkpoint file")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"not resuming from {path}: it does not load with weights_only=True, i.e. it holds objects whose "
+            f"unpickling runs code ({str(err).splitlines()[0]}). Resume only from a last.ckpt this code wrote, or "
+            "start a new output_dir"
+        ) from None
 
 
 def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
@@ -217,6 +253,8 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
 
     last = ckpt_dir / LAST_CHECKPOINT
     ckpt_path = cfg.ckpt_path or (str(last) if last.is_file() else None)
+    if ckpt_path is not None:
+        check_checkpoint_loads_safely(ckpt_path)
     if trainer.is_global_zero:
         check_resume_identity(output_dir, run_identity(cfg, model), resuming=ckpt_path is not None)
     before_path = output_dir / BEFORE_FILE
@@ -231,8 +269,7 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
 
     # Frozen modules are in eval mode on purpose (SpeechLMTrainingModule.train); Lightning warns about it.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-    # weights_only=False: last.ckpt holds loop and callback state, written by this code for this run.
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     trainer.save_checkpoint(last)
     after = _dev_metrics(trainer.validate(module, datamodule=datamodule, verbose=False))
 
