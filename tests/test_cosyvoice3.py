@@ -328,3 +328,36 @@ def test_layer_subset_draft_of_cosyvoice3_decodes_like_its_layers(model):
     # with all target layers the draft is the target
     same = build_draft(model, layers=range(LAYERS))
     torch.testing.assert_close(same.prefill(prompt, 2)[1], model.prefill(prompt, 2)[1])
+
+
+def test_target_cosyvoice3_brings_the_v3_tokenizer_its_vocoder_and_judges():
+    from ssd.config import compose
+
+    cfg = compose("sweep", ["target=cosyvoice3", "target.model.model_dir=/models/cv3"])
+    assert cfg.target.model._target_ == "ssd.models.cosyvoice3.CosyVoice3LM.from_dir"
+    assert cfg.speech_tokenizer._target_.endswith("CosyVoice3SpeechTokenizer.load")
+    assert cfg.speech_tokenizer.path == "/models/cv3/speech_tokenizer_v3.onnx"
+    assert cfg.vocoder.model_class == "CosyVoice3" and cfg.vocoder.model_dir == "/models/cv3"
+    assert cfg.sim.onnx_path == "/models/cv3/campplus.onnx" and cfg.asr._target_.endswith("OpenAIWhisperASR")
+    assert (cfg.target.sampling.ras_variant, cfg.target.sampling.eos_mode) == ("classic", "resample")
+
+
+@pytest.mark.parametrize("draft_name", ["cosyvoice3_8layer", "pcg_3layer"])
+def test_cosyvoice3_target_and_draft_configs_instantiate(tmp_path, draft_name):
+    from hydra.utils import instantiate
+
+    from tests.fixtures_models import make_tiny_cosyvoice3_dir
+    from tests.test_model_configs import compose_target_draft, decode_a_few_tokens
+
+    model_dir = make_tiny_cosyvoice3_dir(tmp_path / "deep", num_hidden_layers=24, hidden_size=16,
+                                         intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    cfg = compose_target_draft("cosyvoice3", draft_name, f"target.model.model_dir={model_dir}")
+    target = instantiate(cfg.target.model)
+    sampling = instantiate(cfg.target.sampling, stop_tokens=list(target.stop_tokens))
+    assert (
+        sampling.stop_tokens == target.stop_tokens and sampling.forbidden_before_min_len == target.stop_tokens
+    )
+    draft = instantiate(cfg.draft, target=target)
+    expected = (0, 1, 18, 19, 20, 21, 22, 23) if draft_name == "cosyvoice3_8layer" else (0, 1, 23)
+    assert draft.recipe.layers == expected and draft.recipe.trainable == ("layers.0", "layers.1", "head")
+    assert decode_a_few_tokens(draft, target.make_prompt(["set red"])).shape == (1, 3)
