@@ -169,6 +169,16 @@ def test_a_prompt_without_end_of_prompt_or_with_special_speech_ids_is_refused(mo
         model.prefill(CosyVoice2Prompt([[1]], [[]], [1]), 2)
 
 
+def test_a_tokenizer_without_end_of_prompt_is_refused(model, tmp_path):
+    from ssd.models.text_tokenizer import load_text_tokenizer, write_word_tokenizer
+
+    plain = load_text_tokenizer(write_word_tokenizer(["set", "red"], tmp_path / "plain"))
+    with pytest.raises(
+        ValueError, match=r"does not keep <\|endofprompt\|> as one token.*TEXT_SPECIAL_TOKENS"
+    ):
+        CosyVoice3LM(model.backbone.config, S, tokenizer=plain)
+
+
 def test_the_instruction_is_configurable(tiny_cosyvoice3_dir):
     other = CosyVoice3LM.from_dir(tiny_cosyvoice3_dir, instruction="please")
     vocab = other.tokenizer.get_vocab()

@@ -97,13 +97,15 @@ class CosyVoice3LM(CosyVoice2LM):
         self.end_of_prompt_id: int | None = None
         self.instruction_ids: list[int] | None = None
         if tokenizer is not None:
-            self.end_of_prompt_id = int(tokenizer.convert_tokens_to_ids(END_OF_PROMPT))
+            vocab = tokenizer.get_vocab()
             self.instruction_ids = self.tokenize(instruction + END_OF_PROMPT)
-            if self.end_of_prompt_id not in self.instruction_ids:
+            if END_OF_PROMPT not in vocab or self.instruction_ids[-1:] != [vocab[END_OF_PROMPT]]:
                 raise ValueError(
                     f"the text tokenizer does not keep {END_OF_PROMPT} as one token (instruction {instruction!r} "
-                    f"gives ids {self.instruction_ids}): load it with CosyVoice 3's special tokens"
+                    f"gives ids {self.instruction_ids}): load it with CosyVoice 3's special tokens "
+                    "(ssd.models.cosyvoice3.TEXT_SPECIAL_TOKENS; from_dir adds them)"
                 )
+            self.end_of_prompt_id = vocab[END_OF_PROMPT]
 
     def _make_llm_embedding(self, hidden_size: int) -> None:
         return None  # sos and task_id are rows of speech_embedding
