@@ -371,3 +371,24 @@ def test_cosyvoice3_target_and_draft_configs_instantiate(tmp_path, draft_name):
     expected = (0, 1, 18, 19, 20, 21, 22, 23) if draft_name == "cosyvoice3_8layer" else (0, 1, 23)
     assert draft.recipe.layers == expected and draft.recipe.trainable == ("layers.0", "layers.1", "head")
     assert decode_a_few_tokens(draft, target.make_prompt(["set red"])).shape == (1, 3)
+
+
+def test_static_decode_step_compiles_whole_and_matches_eager(tiny_cosyvoice3_dir):
+    """CosyVoice 3's step (speech_embedding rows in, bias-free head out) compiles without a graph break,
+    one graph per block length, with the eager path's logits (the script of tests/test_compile.py)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from tests.test_compile import PROMPT_SPEECH, PROMPT_TEXTS, SCRIPT, TEXTS, run_script
+
+    torch._dynamo.reset()
+    eager, static = CosyVoice3LM.from_dir(tiny_cosyvoice3_dir), CosyVoice3LM.from_dir(tiny_cosyvoice3_dir)
+    counter = CompileCounter()
+    static.compile_decoding(backend=counter)
+    prompt = eager.make_prompt(TEXTS, PROMPT_TEXTS, PROMPT_SPEECH)
+    want, _ = run_script(eager, prompt, SCRIPT)
+    got, cache = run_script(static, prompt, SCRIPT)
+    torch._dynamo.reset()
+    assert cache.static and counter.frame_count == 3
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.shape[-1] == S + 200 and a.dtype == torch.float32
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"call {step}: {(a - b).abs().max():.2e}"
