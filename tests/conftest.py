@@ -3,7 +3,7 @@
 Shared fixtures live in the fixture modules below, next to their builders; registering them here makes
 them visible to every test by parameter name (never import a fixture into a test module):
 
-- tests/fixtures_models.py: `tiny_cosyvoice2_dir`, `tiny_llasa_dir` (session)
+- tests/fixtures_models.py: `tiny_cosyvoice2_dir`, `tiny_cosyvoice3_dir`, `tiny_llasa_dir` (session)
 - tests/fixtures_eval.py: `micro_world` (session; the micro toy world for evaluation)
 - tests/fixtures_training.py: `training_world` (session; tiny target + micro token shards)
 """

@@ -1,7 +1,7 @@
 """Tiny real-format model directories for tests.
 
-The fixtures `tiny_cosyvoice2_dir` and `tiny_llasa_dir` are registered for every test by
-tests/conftest.py (`pytest_plugins`): take them by parameter name. The builders and constants
+The fixtures `tiny_cosyvoice2_dir`, `tiny_cosyvoice3_dir` and `tiny_llasa_dir` are registered for every
+test by tests/conftest.py (`pytest_plugins`): take them by parameter name. The builders and constants
 (`make_tiny_cosyvoice2_dir`, `TINY_SPEECH_TOKENS`, ...) are plain imports.
 """
 
@@ -57,6 +57,24 @@ def make_tiny_cosyvoice2_dir(
     return write_cosyvoice2_dir(path, {**TINY_QWEN2, **config_overrides}, speech_tokens, tokenizer_dir, seed)
 
 
+COSYVOICE3_INSTRUCTION_WORDS = ["you", "are", "a", "helpful", "assistant"]  # its default instruction's words
+
+
+def make_tiny_cosyvoice3_dir(
+    path: Path, seed: int = 0, speech_token_size: int = TINY_SPEECH_TOKENS, **config_overrides
+) -> Path:
+    """A random-weight CosyVoice 3 dir (llm.pt with speech_token_size + 200 special rows, CosyVoice-BlankEN/)
+    with a word tokenizer that knows the default instruction's words."""
+    from ssd.models.checkpoints import write_cosyvoice3_dir
+    from ssd.models.text_tokenizer import write_word_tokenizer
+
+    words = WORDS + COSYVOICE3_INSTRUCTION_WORDS
+    tokenizer_dir = write_word_tokenizer(words, Path(path).parent / f"{Path(path).name}_words")
+    return write_cosyvoice3_dir(
+        path, {**TINY_QWEN2, **config_overrides}, speech_token_size, tokenizer_dir, seed
+    )
+
+
 def make_tiny_llasa_dir(path: Path, seed: int = 0) -> Path:
     """A random-weight LLaSA dir (config.json + model.safetensors + tokenizer with chat template)."""
     from ssd.models.checkpoints import write_llasa_dir
@@ -70,6 +88,11 @@ def make_tiny_llasa_dir(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_cosyvoice2_dir(tmp_path_factory) -> Path:
     return make_tiny_cosyvoice2_dir(tmp_path_factory.mktemp("models") / "cosyvoice2")
+
+
+@pytest.fixture(scope="session")
+def tiny_cosyvoice3_dir(tmp_path_factory) -> Path:
+    return make_tiny_cosyvoice3_dir(tmp_path_factory.mktemp("models") / "cosyvoice3")
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,7 @@ def test_toy_target_and_draft_from_data_dir(tiny_cosyvoice2_dir, monkeypatch):
 
 def test_no_target_config_copies_the_models_stop_tokens():
     """The sampling law's stop tokens come from the loaded model (runner and trainer pass them)."""
-    for name in ("cosyvoice2", "llasa", "toy"):
+    for name in ("cosyvoice2", "cosyvoice3", "llasa", "toy"):
         assert "stop_tokens" not in compose_target_draft(name, "toy").target.sampling
 
 
@@ -120,16 +120,16 @@ def test_llasa_target(tiny_llasa_dir):
 
 
 def test_sampling_configs_instantiate():
-    for name in ("cosyvoice2", "llasa", "toy"):
+    for name in ("cosyvoice2", "cosyvoice3", "llasa", "toy"):
         cfg = compose_target_draft(name, "toy")
         sampling = instantiate(cfg.target.sampling, stop_tokens=[7, 8])
         assert sampling.stop_tokens == (7, 8)
 
 
-@pytest.mark.parametrize("target", ["cosyvoice2", "llasa"])
+@pytest.mark.parametrize("target", ["cosyvoice2", "cosyvoice3", "llasa"])
 def test_unset_model_dir_says_what_to_set(target, monkeypatch):
-    monkeypatch.delenv("COSYVOICE2_DIR", raising=False)
-    monkeypatch.delenv("LLASA_DIR", raising=False)
+    for env_var in ("COSYVOICE2_DIR", "COSYVOICE3_DIR", "LLASA_DIR"):
+        monkeypatch.delenv(env_var, raising=False)
     cfg = compose_target_draft(target, "toy")
     with pytest.raises(InstantiationException, match="target.model.model_dir="):
         instantiate(cfg.target.model)

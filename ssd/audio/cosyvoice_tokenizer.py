@@ -1,6 +1,7 @@
-"""CosyVoice 2's speech tokenizer: `speech_tokenizer_v2.onnx` through onnxruntime.
+"""CosyVoice's speech tokenizers through onnxruntime: `speech_tokenizer_v2.onnx` (CosyVoice 2) and
+`speech_tokenizer_v3.onnx` (CosyVoice 3). Both are 25 Hz FSQ tokenizers of 6561 codes with one signature.
 
-Fed exactly as CosyVoice's frontend (`CosyVoiceFrontEnd._extract_speech_token`) feeds it: the 128-bin
+Fed exactly as CosyVoice's frontend (`CosyVoiceFrontEnd._extract_speech_token`, one function for both) feeds it: the 128-bin
 Whisper log-mel of 16 kHz audio as input 0 (`feats`, float32 [1, 128, T]) and its frame count as
 input 1 (`feats_length`, int32 [1]); output 0 (`indices`) flattened is the 25 Hz token sequence.
 Inputs are addressed by position, like the frontend does, so a re-exported model with other names
@@ -16,6 +17,7 @@ import numpy as np
 from ssd.audio.features import N_MELS, SAMPLE_RATE, resample, whisper_log_mel
 
 MODEL_FILENAME = "speech_tokenizer_v2.onnx"
+MODEL_FILENAME_V3 = "speech_tokenizer_v3.onnx"
 
 
 class CosyVoiceSpeechTokenizer:
@@ -25,17 +27,20 @@ class CosyVoiceSpeechTokenizer:
     codebook_size = 6561  # FSQ, 3^8 levels: the CosyVoice 2 LM's speech_token_size
     sample_rate = SAMPLE_RATE
     max_seconds = 30.0  # the model's limit; CosyVoice's own extraction tool refuses longer audio too
+    model_filename = MODEL_FILENAME
+    model_name = "CosyVoice 2"
+    model_dir_name = "CosyVoice2-0.5B"
 
     def __init__(self, onnx_path: str | Path, num_threads: int = 1, providers: list[str] | None = None):
         from ssd.audio.onnx import onnx_session
 
         path = Path(onnx_path)
         if path.is_dir():
-            path = path / MODEL_FILENAME
+            path = path / self.model_filename
         if not path.is_file():
             raise FileNotFoundError(
-                f"CosyVoice 2 speech tokenizer not found at {path}: pass the path of {MODEL_FILENAME} "
-                "(or the CosyVoice2-0.5B model directory that contains it)"
+                f"{self.model_name} speech tokenizer not found at {path}: pass the path of {self.model_filename} "
+                f"(or the {self.model_dir_name} model directory that contains it)"
             )
         self.path = path
         self.session = onnx_session(path, num_threads, providers)
@@ -43,7 +48,7 @@ class CosyVoiceSpeechTokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> CosyVoiceSpeechTokenizer:
-        """Load from the .onnx file or the CosyVoice 2 model dir (the toy codec's `load` shape)."""
+        """Load from the .onnx file or the model dir that holds it (the toy codec's `load` shape)."""
         return cls(path)
 
     def _check_signature(self) -> None:
@@ -78,7 +83,7 @@ class CosyVoiceSpeechTokenizer:
             )
         if seconds > self.max_seconds:
             raise ValueError(
-                f"audio is {seconds:.1f} s long; the CosyVoice 2 speech tokenizer accepts at most "
+                f"audio is {seconds:.1f} s long; the {self.model_name} speech tokenizer accepts at most "
                 f"{self.max_seconds:.0f} s (split it, or filter such utterances out)"
             )
         feats = whisper_log_mel(resample(wav, sr, SAMPLE_RATE), n_mels=N_MELS).numpy()[None]
@@ -87,3 +92,13 @@ class CosyVoiceSpeechTokenizer:
             {self._feats_name: feats, self._lengths_name: np.array([feats.shape[2]], dtype=np.int32)},
         )
         return np.asarray(outputs[0]).reshape(-1).astype(np.int64)
+
+
+class CosyVoice3SpeechTokenizer(CosyVoiceSpeechTokenizer):
+    """Audio -> CosyVoice 3 speech tokens: speech_tokenizer_v3.onnx, fed as v2 (upstream's CosyVoice3 builds the
+    same frontend with this file). 25 Hz and 6561 codes as v2, but other codes: v2 tokens mean nothing to
+    the CosyVoice 3 LM."""
+
+    model_filename = MODEL_FILENAME_V3
+    model_name = "CosyVoice 3"
+    model_dir_name = "Fun-CosyVoice3-0.5B"

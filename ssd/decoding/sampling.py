@@ -45,7 +45,9 @@ class SamplingConfig:
              ras_window GENERATED tokens is replaced by a draw from the full softmax.
     ras_variant: "classic" (fallback from the full softmax) or "exclude_repeated"
              (Feb-2026 upstream: the repeated id is excluded from the fallback).
-    stop_tokens: ids that end a sequence; the first is EOS. Before min_len some are forbidden:
+    stop_tokens: ids that end a sequence; the first is the one the *_eos modes refuse before min_len (EOS for
+                 CosyVoice 2 and LLaSA; for CosyVoice 3 id S, the row upstream's min_len rule names). Before
+                 min_len some are forbidden:
     eos_mode: which ones and how (EOS_MODES says which upstream dates each matches).
               "mask" / "mask_eos": logits of all stop tokens / of EOS only set to -inf first;
               "resample" / "resample_eos": redraw while the draw is any stop token / EOS, i.e. the

@@ -45,7 +45,8 @@ def judge(m: Any, item: Item, tokens: list[int], finish_reason: str, row: dict, 
     record = {
         "utt": pair.utt, "speaker": pair.speaker, "prompt_utt": pair.prompt_utt, "text": pair.text,
         "seed": item.seed, "tokens": tokens, "n_tokens": len(tokens), "finish_reason": finish_reason,
-        "min_len": int(limits[0]), "max_len": int(limits[1]), "audio_sec": len(tokens) / token_rate,
+        "min_len": int(limits[0]), "max_len": int(limits[1]),
+        "audio_sec": len(codes) / token_rate,  # what the vocoder hears (CosyVoice 3 drops long silent runs)
         "vocoder_time": vocoder_time,
         "target_calls": row["target_calls"], "draft_calls": row["draft_calls"], "rounds": row["rounds"],
         "accepted_total": sum(accepted_per_round),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ssd.models.backbone_config import BackboneConfig
-from ssd.models.cosyvoice2 import TEXT_SPECIAL_TOKENS, CosyVoice2LM
+from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.text_tokenizer import add_special_tokens, load_text_tokenizer
 
 
@@ -48,18 +48,45 @@ def write_cosyvoice2_dir(
     tie_word_embeddings to True, as in the real model. tokenizer: a transformers tokenizer or the
     path of a tokenizer dir. Weights: normal(0, initializer_range), zero biases, unit norms.
     """
-    tokenizer = _as_tokenizer(tokenizer, TEXT_SPECIAL_TOKENS)
+    return _write_cosyvoice_dir(CosyVoice2LM, out_dir, qwen_config_kwargs, speech_token_size, tokenizer, seed)
+
+
+def write_cosyvoice3_dir(
+    out_dir: str | Path,
+    qwen_config_kwargs: dict[str, Any],
+    speech_token_size: int,
+    tokenizer: Any,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight CosyVoice 3 model dir (upstream CosyVoice3LM's llm.pt keys: speech_embedding
+    and a bias-free llm_decoder of speech_token_size + 200 rows, no llm_embedding) + CosyVoice-BlankEN/
+    with CosyVoice 3's text special tokens. Arguments and weights as write_cosyvoice2_dir."""
+    from ssd.models.cosyvoice3 import CosyVoice3LM
+
+    return _write_cosyvoice_dir(CosyVoice3LM, out_dir, qwen_config_kwargs, speech_token_size, tokenizer, seed)
+
+
+def _write_cosyvoice_dir(
+    model_class: type[CosyVoice2LM],
+    out_dir: str | Path,
+    qwen_config_kwargs: dict[str, Any],
+    speech_token_size: int,
+    tokenizer: Any,
+    seed: int,
+) -> Path:
+    tokenizer = _as_tokenizer(tokenizer, model_class.text_special_tokens)
     kwargs = {"tie_word_embeddings": True, **qwen_config_kwargs}
     config = _backbone_config(kwargs, len(tokenizer), "qwen2")
     std = float(kwargs.get("initializer_range", 0.02))
     generator = torch.Generator().manual_seed(seed)
-    model = CosyVoice2LM(config, speech_token_size, tokenizer=tokenizer)
+    model = model_class(config, speech_token_size, tokenizer=tokenizer)
     with torch.no_grad():
         model.backbone.reset_parameters(generator, std)
         for module in (model.llm_embedding, model.speech_embedding, model.llm_decoder, model.text_lm_head):
             if module is not None:
                 module.weight.normal_(0.0, std, generator=generator)
-        model.llm_decoder.bias.zero_()
+        if model.llm_decoder.bias is not None:
+            model.llm_decoder.bias.zero_()
     return model.save_dir(out_dir)
 
 

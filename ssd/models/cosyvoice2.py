@@ -74,13 +74,13 @@ class CosyVoice2Prompt:
         b = len(self.text_ids)
         if b == 0 or len(self.speech_ids) != b or self.target_text_lens.numel() != b:
             raise ValueError(
-                f"CosyVoice2Prompt: text_ids ({b} rows), speech_ids ({len(self.speech_ids)} rows) and "
+                f"{type(self).__name__}: text_ids ({b} rows), speech_ids ({len(self.speech_ids)} rows) and "
                 f"target_text_lens ({self.target_text_lens.numel()}) must have the same non-zero batch size"
             )
         for row, (text, n) in enumerate(zip(self.text_ids, self.target_text_lens.tolist())):
             if not 1 <= n <= text.numel():
                 raise ValueError(
-                    f"CosyVoice2Prompt row {row}: target_text_lens={n} must be in [1, {text.numel()}] "
+                    f"{type(self).__name__} row {row}: target_text_lens={n} must be in [1, {text.numel()}] "
                     "(the target text needs at least one token and is part of text_ids)"
                 )
 
@@ -90,20 +90,29 @@ class CosyVoice2Prompt:
 
 
 class CosyVoice2LM(CachedSpeechLM):
-    """CosyVoice 2 speech LM: Qwen2 backbone + sos/task_id embedding + speech embedding and head."""
+    """CosyVoice 2 speech LM: Qwen2 backbone + sos/task_id embedding + speech embedding and head.
+
+    The class attributes below are what CosyVoice 3 (`ssd.models.cosyvoice3`) changes."""
 
     min_token_text_ratio = 2
     max_token_text_ratio = 20
+    model_name = "CosyVoice 2"
+    model_dir_example = "/path/to/CosyVoice2-0.5B"
+    model_dir_env = "COSYVOICE2_DIR"
+    text_special_tokens = TEXT_SPECIAL_TOKENS
+    special_speech_rows = 3  # rows of speech_embedding / llm_decoder after the codec's speech_token_size
+    head_bias = True
+    prompt_class: type[CosyVoice2Prompt] = CosyVoice2Prompt
 
     def __init__(
         self, backbone_config: BackboneConfig, speech_token_size: int, tokenizer: Any = None
     ) -> None:
         super().__init__()
-        h = backbone_config.hidden_size
+        h, rows = backbone_config.hidden_size, speech_token_size + self.special_speech_rows
         self.backbone = Backbone(backbone_config)
-        self.llm_embedding = nn.Embedding(2, h)
-        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
-        self.llm_decoder = Linear(h, speech_token_size + 3)
+        self.llm_embedding = self._make_llm_embedding(h)
+        self.speech_embedding = nn.Embedding(rows, h)
+        self.llm_decoder = Linear(h, rows, bias=self.head_bias)
         # The text head is never used for speech; kept only when untied so save_dir round-trips.
         self.text_lm_head = (
             None
@@ -111,10 +120,19 @@ class CosyVoice2LM(CachedSpeechLM):
             else nn.Linear(h, backbone_config.vocab_size, bias=False)
         )
         self.speech_token_size = speech_token_size
-        self.vocab_size = speech_token_size + 3
-        self.eos_token = speech_token_size
-        self.stop_tokens = (speech_token_size, speech_token_size + 1, speech_token_size + 2)
+        self.vocab_size = rows
+        self.eos_token, self.stop_tokens = self._stop_ids(speech_token_size)
         self.tokenizer = tokenizer
+
+    def _make_llm_embedding(self, hidden_size: int) -> nn.Embedding | None:
+        """CosyVoice 2's own [2, H] table: row 0 = sos, row 1 = task_id."""
+        return nn.Embedding(2, hidden_size)
+
+    @staticmethod
+    def _stop_ids(speech_token_size: int) -> tuple[int, tuple[int, ...]]:
+        """(EOS, stop tokens): EOS = S; S+1 and S+2 end a sequence too (docs/targets.md §2.2)."""
+        s = speech_token_size
+        return s, (s, s + 1, s + 2)
 
     # --- checkpoint format ---------------------------------------------------------------------
     @classmethod
@@ -125,19 +143,36 @@ class CosyVoice2LM(CachedSpeechLM):
         device: str | torch.device = "cpu",
     ) -> CosyVoice2LM:
         """Load a CosyVoice 2 model directory (llm.pt + CosyVoice-BlankEN/)."""
+        return cls._load_dir(model_dir, dtype, device)
+
+    @classmethod
+    def _load_dir(
+        cls,
+        model_dir: str | Path | None,
+        dtype: str | torch.dtype,
+        device: str | torch.device,
+        **options: Any,
+    ) -> CosyVoice2LM:
+        """from_dir's body, shared by the CosyVoice generations; `options` go to the constructor."""
         model_dir = require_model_dir(
-            model_dir, "CosyVoice 2", "/path/to/CosyVoice2-0.5B", "COSYVOICE2_DIR",
+            model_dir, cls.model_name, cls.model_dir_example, cls.model_dir_env,
             (LLM_FILE, f"{TOKENIZER_SUBDIR}/config.json"),
-            f"a CosyVoice 2 model dir holds {LLM_FILE} and {TOKENIZER_SUBDIR}/config.json (+ tokenizer files)",
+            f"a {cls.model_name} model dir holds {LLM_FILE} and {TOKENIZER_SUBDIR}/config.json (+ tokenizer files)",
         )  # fmt: skip
         llm_path, config_path = model_dir / LLM_FILE, model_dir / TOKENIZER_SUBDIR / "config.json"
-        backbone_config = _read_backbone_config(config_path)
-        state = read_checkpoint(llm_path, "CosyVoice 2 llm.pt", mmap=True)
-        speech_rows = _speech_rows(state, llm_path)
-        expected = cls.expected_llm_pt_shapes(backbone_config, speech_rows - 3)
+        backbone_config = _read_backbone_config(config_path, cls.model_name)
+        state = read_checkpoint(llm_path, f"{cls.model_name} llm.pt", mmap=True)
+        speech_token_size = _speech_rows(state, llm_path, cls.model_name) - cls.special_speech_rows
+        if speech_token_size < 1:
+            raise ValueError(
+                f"{llm_path}: speech_embedding.weight has {speech_token_size + cls.special_speech_rows} rows; a "
+                f"{cls.model_name} llm.pt has the codec's tokens + {cls.special_speech_rows} (is this another "
+                "CosyVoice generation's checkpoint?)"
+            )
+        expected = cls.expected_llm_pt_shapes(backbone_config, speech_token_size)
         check_state_dict(state, expected, llm_path)
         tokenizer = load_text_tokenizer(
-            model_dir / TOKENIZER_SUBDIR, extra_special_tokens=TEXT_SPECIAL_TOKENS
+            model_dir / TOKENIZER_SUBDIR, extra_special_tokens=cls.text_special_tokens
         )
         if len(tokenizer) > backbone_config.vocab_size:
             raise ValueError(
@@ -145,26 +180,19 @@ class CosyVoice2LM(CachedSpeechLM):
                 f"tokens) but config.json vocab_size is {backbone_config.vocab_size}"
             )
         with torch.device("meta"):
-            model = cls(backbone_config, speech_rows - 3, tokenizer=tokenizer)
+            model = cls(backbone_config, speech_token_size, tokenizer=tokenizer, **options)
         model.load_state_dict(model._from_llm_pt(state), strict=True, assign=True)
         model.backbone.init_rope()
         return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
 
-    @staticmethod
-    def expected_llm_pt_shapes(config: BackboneConfig, speech_token_size: int) -> dict[str, tuple[int, ...]]:
-        """Every key of a valid llm.pt and its shape."""
+    @classmethod
+    def expected_llm_pt_shapes(
+        cls, config: BackboneConfig, speech_token_size: int
+    ) -> dict[str, tuple[int, ...]]:
+        """Every key of a valid llm.pt and its shape: this class's own llm.pt keys, built on "meta"."""
         with torch.device("meta"):
-            backbone = Backbone(config)
-        h, rows = config.hidden_size, speech_token_size + 3
-        shapes = {
-            "llm_embedding.weight": (2, h),
-            "speech_embedding.weight": (rows, h),
-            "llm_decoder.weight": (rows, h),
-            "llm_decoder.bias": (rows,),
-        }
-        shapes.update({BACKBONE_PREFIX + k: tuple(v.shape) for k, v in backbone.state_dict().items()})
-        shapes[TEXT_HEAD_KEY] = (config.vocab_size, h)
-        return shapes
+            model = cls(config, speech_token_size)
+        return {k: tuple(v.shape) for k, v in model.llm_pt_state_dict().items()}
 
     def llm_pt_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights under the exact llm.pt keys (text head tied to embed_tokens when tied)."""
@@ -225,7 +253,9 @@ class CosyVoice2LM(CachedSpeechLM):
     def tokenize(self, text: str) -> list[int]:
         """Text token ids with the BlankEN tokenizer, no BOS/EOS (as upstream's frontend)."""
         if self.tokenizer is None:
-            raise ValueError("this CosyVoice2LM has no text tokenizer; build prompts from token ids instead")
+            raise ValueError(
+                f"this {type(self).__name__} has no text tokenizer; build prompts from token ids instead"
+            )
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def make_prompt(
@@ -240,7 +270,7 @@ class CosyVoice2LM(CachedSpeechLM):
         for row, ids in enumerate(targets):
             if not ids:
                 raise ValueError(f"make_prompt row {row}: text {texts[row]!r} has no tokens")
-        return CosyVoice2Prompt(
+        return self.prompt_class(
             text_ids=[self.tokenize(p) + t for p, t in zip(prompt_texts, targets)],
             speech_ids=[list(s) for s in prompt_speech_tokens],
             target_text_lens=[len(t) for t in targets],
@@ -264,13 +294,15 @@ class CosyVoice2LM(CachedSpeechLM):
         return self.backbone.embed_tokens(ids)
 
     def embed_prompt(self, prompt: CosyVoice2Prompt) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(prompt, CosyVoice2Prompt):
-            raise TypeError(f"CosyVoice2LM needs a CosyVoice2Prompt, got {type(prompt).__name__}")
+        if not isinstance(prompt, self.prompt_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.prompt_class.__name__}, got {type(prompt).__name__}"
+            )
         rows = []
         for text, speech in zip(prompt.text_ids, prompt.speech_ids):
             speech = speech.to(self.device)
             self._check_speech_ids(speech, "prompt speech tokens")
-            rows.append(torch.cat([self.prefix_embeds(text.to(self.device)), self.embed_speech(speech)]))
+            rows.append(torch.cat([self.lm_prefix(text.to(self.device)), self.embed_speech(speech)]))
         return pad_right(rows)
 
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -281,17 +313,24 @@ class CosyVoice2LM(CachedSpeechLM):
 
     # --- training ------------------------------------------------------------------------------
     def prefix_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """A training row's prefix: the inference one (lm_prefix) of the row's text."""
+        return self.lm_prefix(text_ids)
+
+    def lm_prefix(self, text_ids: torch.Tensor) -> torch.Tensor:
         """[sos, text, task_id] (docs/targets.md §2.2): the output at task_id predicts the first speech token."""
-        sos, task_id = self.llm_embedding.weight[0:1], self.llm_embedding.weight[1:2]
+        sos, task_id = self.sos_task_id_embeds()
         return torch.cat([sos, self._text_embeds(text_ids), task_id])
+
+    def sos_task_id_embeds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sos and task_id input rows, [1, H] each (CosyVoice 2: llm_embedding rows 0 and 1)."""
+        return self.llm_embedding.weight[0:1], self.llm_embedding.weight[1:2]
 
     # --- drafts --------------------------------------------------------------------------------
     def module_groups(self) -> dict[str, nn.Module]:
-        groups: dict[str, nn.Module] = {
-            "text_embedding": self.backbone.embed_tokens,
-            "llm_embedding": self.llm_embedding,
-            "speech_embedding": self.speech_embedding,
-        }
+        groups: dict[str, nn.Module] = {"text_embedding": self.backbone.embed_tokens}
+        if self.llm_embedding is not None:
+            groups["llm_embedding"] = self.llm_embedding
+        groups["speech_embedding"] = self.speech_embedding
         groups.update({f"layers.{i}": layer for i, layer in enumerate(self.backbone.layers)})
         groups["norm"] = self.backbone.norm
         groups["head"] = self.llm_decoder
@@ -306,7 +345,7 @@ class CosyVoice2LM(CachedSpeechLM):
             )
 
 
-def _read_backbone_config(config_path: Path) -> BackboneConfig:
+def _read_backbone_config(config_path: Path, model_name: str) -> BackboneConfig:
     from transformers import AutoConfig
 
     try:
@@ -314,12 +353,12 @@ def _read_backbone_config(config_path: Path) -> BackboneConfig:
     except Exception as err:  # transformers raises several types for a bad config.json
         raise ValueError(f"{config_path}: not a readable HF config ({err})") from err
     if hf_config.model_type != "qwen2":
-        raise ValueError(f"{config_path}: model_type is {hf_config.model_type!r}, CosyVoice 2 needs 'qwen2'")
+        raise ValueError(f"{config_path}: model_type is {hf_config.model_type!r}, {model_name} needs 'qwen2'")
     return BackboneConfig.from_hf(hf_config)
 
 
-def _speech_rows(state: dict[str, torch.Tensor], path: Path) -> int:
+def _speech_rows(state: dict[str, torch.Tensor], path: Path, model_name: str) -> int:
     key = "speech_embedding.weight"
     if key not in state:
-        raise KeyError(f"{path}: missing key {key!r} (is this a CosyVoice 2 llm.pt?)")
+        raise KeyError(f"{path}: missing key {key!r} (is this a {model_name} llm.pt?)")
     return int(state[key].shape[0])
