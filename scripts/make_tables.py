@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ssd.evaluation.report import aggregate  # noqa: E402
 from ssd.evaluation.selection import matching_row, select_setting  # noqa: E402
-from ssd.evaluation.tables import aggregate, display_table, reference_rows, setting_of, to_markdown  # noqa: E402
+from ssd.evaluation.tables import display_table, reference_rows, setting_of, to_markdown  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers load from local dirs only
 
-from ssd.config import group_options, option_node  # noqa: E402
+from ssd.config_files import group_options, option_node  # noqa: E402
 from ssd.data.libritts import TEST_CLEAN, make_zero_shot_pairs, save_table, scan_libritts  # noqa: E402
 from ssd.data.prepare import prepare_corpus  # noqa: E402
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssd.config import group_options  # noqa: E402
+from ssd.config_files import group_options  # noqa: E402
 from ssd.experiments.driver import default_out, reproduce  # noqa: E402
 
 

@@ -9,12 +9,11 @@ experiment driver and the toy-world builder both turn config values into command
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-CONFIG_MODULE = "ssd.configs"
+from ssd.config_files import CONFIG_MODULE
 
 
 def register() -> None:
@@ -37,24 +36,6 @@ def compose(config_name: str, overrides: Sequence[str] = (), with_hydra: bool = 
     GlobalHydra.instance().clear()  # a caller inside a Hydra app (the toy world's stages) has one already
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=with_hydra)
-
-
-def group_options(group: str) -> list[str]:
-    """The option names of a config group (`experiment` -> ['draft_training', 'exactness', ...])."""
-    folder = resources.files(CONFIG_MODULE).joinpath(group)
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir()
-                  if p.name.endswith(".yaml") and not p.name.startswith("_"))  # fmt: skip
-
-
-def option_node(group: str, option: str, **values: Any) -> dict:
-    """configs/<group>/<option>.yaml as a plain dict, with `values` set (for tools outside Hydra, e.g. the
-    shard preparation script: `option_node("speech_tokenizer", "toy", path=...)`)."""
-    if option not in group_options(group):
-        raise ValueError(f"unknown {group} {option!r}: choose one of {group_options(group)}")
-    text = resources.files(CONFIG_MODULE).joinpath(group, f"{option}.yaml").read_text()
-    node = OmegaConf.create(text)
-    node.merge_with(values)
-    return OmegaConf.to_container(node, resolve=True)
 
 
 # ---- override strings ------------------------------------------------------------------------------

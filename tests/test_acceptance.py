@@ -192,7 +192,8 @@ def test_pcg_accepts_more_than_exact_with_wide_groups():
 def test_every_shipped_rule_config_builds_its_rule_and_labels_its_runs():
     from hydra.utils import instantiate
 
-    from ssd.config import compose, group_options
+    from ssd.config import compose
+    from ssd.config_files import group_options
 
     labels = {}
     for option in group_options("acceptance"):

@@ -11,7 +11,8 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ssd.config import compose, group_options
+from ssd.config import compose
+from ssd.config_files import group_options
 from ssd.evaluation.schema import validate_sweep_config
 from ssd.training.schema import check_target_kwargs, validate_train_config
 

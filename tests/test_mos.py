@@ -248,7 +248,8 @@ def test_utmos_bad_checkpoints_are_named(tmp_path, speech):
 
 @pytest.mark.parametrize("target", ["toy", "cosyvoice2", "llasa"])
 def test_every_target_gets_dnsmos_and_every_mos_option_composes(target, tmp_path):
-    from ssd.config import compose, group_options
+    from ssd.config import compose
+    from ssd.config_files import group_options
     from ssd.evaluation.schema import validate_sweep_config
     from ssd.training.schema import check_target_kwargs
 

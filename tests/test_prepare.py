@@ -15,7 +15,7 @@ import pytest
 from test_cosyvoice_tokenizer import _write_model
 from test_libritts import write_utterance
 
-from ssd.config import option_node
+from ssd.config_files import option_node
 from ssd.data.prepare import SHARD_COLUMNS, prepare_corpus
 from ssd.models.text_tokenizer import write_word_tokenizer
 

@@ -83,28 +83,28 @@ def load_trained(path: str | Path, drafter: nn.Module, kind: str, recipe: dict, 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"{kind} drafter checkpoint {path} does not exist: train the drafter first (python train_draft.py "
-            f"draft=<its config> hydra.run.dir=<dir> writes <dir>/draft.pt), or set draft.checkpoint=null for an "
-            "untrained one"
+            f"{kind} checkpoint {path} does not exist: train the drafter first (python train_draft.py "
+            f"draft=<its config> hydra.run.dir={path.parent} writes {path.parent}/draft.pt), or set "
+            "draft.checkpoint=null for an untrained one"
         )
-    payload = read_checkpoint(path, f"{kind} drafter checkpoint")
+    payload = read_checkpoint(path, f"{kind} checkpoint")
     if not isinstance(payload, dict) or payload.get("format") != f"ssd-{kind}-v1":
-        raise ValueError(f"{path} is not a {kind} drafter checkpoint (format ssd-{kind}-v1)")
+        raise ValueError(f"{path} is not an ssd {kind} checkpoint (format ssd-{kind}-v1)")
     check_target(payload["target"], target, path)
     if payload["recipe"] != recipe:
         raise ValueError(
-            f"drafter checkpoint {path} has recipe {payload['recipe']}, the config asks for {recipe}"
+            f"{kind} checkpoint {path} has recipe {payload['recipe']}, the config asks for {recipe}"
         )
     params = dict(drafter.named_parameters())
     expected = {k for k, p in params.items() if p.requires_grad}
     if set(payload["trained"]) != expected:
         raise ValueError(
-            f"drafter checkpoint {path}: tensors {sorted(payload['trained'])} != {sorted(expected)}"
+            f"{kind} checkpoint {path}: tensors {sorted(payload['trained'])} != trainable {sorted(expected)}"
         )
     with torch.no_grad():
         for key, value in payload["trained"].items():
             if value.shape != params[key].shape:
-                raise ValueError(f"drafter checkpoint {path}: {key} has shape {tuple(value.shape)}, the drafter "
+                raise ValueError(f"{kind} checkpoint {path}: {key} has shape {tuple(value.shape)}, the drafter "
                                  f"{tuple(params[key].shape)}")  # fmt: skip
             params[key].copy_(value)
 

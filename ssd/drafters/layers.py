@@ -23,11 +23,11 @@ from torch import nn
 
 from ssd.contracts import TrainingOutputs
 from ssd.drafters.autoregressive import AutoregressiveSession
-from ssd.drafters.base import check_target, model_outputs, target_fingerprint
-from ssd.files import read_checkpoint, write_checkpoint
+from ssd.drafters.base import load_trained, model_outputs, save_trained, target_fingerprint
+from ssd.files import read_checkpoint
 from ssd.models.base import CachedSpeechLM
 
-CHECKPOINT_FORMAT = "ssd-draft-v1"
+KIND = "draft"  # checkpoint format ssd-draft-v1 (ssd.drafters.base.save_trained)
 
 
 @dataclass(frozen=True)
@@ -158,64 +158,27 @@ def build_draft(
         draft.eval(), DraftRecipe(layers, trainable, bool(share_embeddings)), target_fingerprint(target), name
     )
     if checkpoint is not None:
-        _load_trained(wrapped, target, checkpoint)
+        load_trained(checkpoint, wrapped.model, KIND, _recipe(wrapped.recipe), target)
     return wrapped
 
 
 def save_draft(path: str | Path, draft: Draft) -> Path:
-    """Store the draft's trainable tensors, its recipe and its target's fingerprint (taken at build)."""
+    """Store the draft's trainable tensors (under the model's own keys, so the format is independent of the
+    wrapper), its recipe and its target's fingerprint (taken at build)."""
     if not isinstance(draft, Draft):
         raise ValueError(f"save_draft needs a Draft made by build_draft, got {type(draft).__name__}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Keys are the model's own (not the wrapper's), so the file format is independent of the wrapper.
-    trained = {k: p.detach().cpu().clone() for k, p in draft.model.named_parameters() if p.requires_grad}
-    payload = {
-        "format": CHECKPOINT_FORMAT,
-        "recipe": {**asdict(draft.recipe), "layers": list(draft.recipe.layers),
-                   "trainable": list(draft.recipe.trainable)},
-        "target": draft.target_fingerprint,
-        "trained": trained,
-    }  # fmt: skip
-    return write_checkpoint(path, payload)
+    return save_trained(path, draft.model, KIND, _recipe(draft.recipe), draft.target_fingerprint)
 
 
-def _read_checkpoint(path: str | Path) -> dict[str, Any]:
-    payload = read_checkpoint(path, "draft checkpoint (ssd.drafters.layers.save_draft)")
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a draft checkpoint written by ssd.drafters.layers.save_draft")
-    return payload
-
-
-def _load_trained(draft: Draft, target: CachedSpeechLM, path: str | Path) -> None:
-    path = Path(path)
-    payload = _read_checkpoint(path)
-    check_target(payload["target"], target, path)
-    recipe = payload["recipe"]
-    mine = draft.recipe
-    if tuple(recipe["layers"]) != mine.layers or tuple(recipe["trainable"]) != mine.trainable:
-        raise ValueError(
-            f"draft checkpoint {path} has recipe layers={recipe['layers']} trainable={recipe['trainable']}, "
-            f"but the config asks for layers={list(mine.layers)} trainable={list(mine.trainable)}"
-        )
-    params = dict(draft.model.named_parameters())
-    expected = {k for k, p in params.items() if p.requires_grad}
-    if set(payload["trained"]) != expected:
-        raise ValueError(
-            f"draft checkpoint {path}: tensors {sorted(payload['trained'])} != trainable {sorted(expected)}"
-        )
-    with torch.no_grad():
-        for key, value in payload["trained"].items():
-            if value.shape != params[key].shape:
-                raise ValueError(f"draft checkpoint {path}: {key} has shape {tuple(value.shape)}, "
-                                 f"draft has {tuple(params[key].shape)}")  # fmt: skip
-            params[key].copy_(value)
+def _recipe(recipe: DraftRecipe) -> dict[str, Any]:
+    return {**asdict(recipe), "layers": list(recipe.layers), "trainable": list(recipe.trainable)}
 
 
 def load_draft(path: str | Path, target: CachedSpeechLM) -> Draft:
     """Rebuild a saved draft from its target (a different target is a clear error)."""
-    payload = _read_checkpoint(path)
-    check_target(payload["target"], target, Path(path))
+    payload = read_checkpoint(path, f"{KIND} checkpoint")
+    if not isinstance(payload, dict) or payload.get("format") != f"ssd-{KIND}-v1":
+        raise ValueError(f"{path} is not an ssd {KIND} checkpoint (format ssd-{KIND}-v1)")
     recipe = payload["recipe"]
     return build_draft(
         target, recipe["layers"], recipe["trainable"], recipe["share_embeddings"], checkpoint=path

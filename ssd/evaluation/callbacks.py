@@ -13,10 +13,10 @@ log = logging.getLogger(__name__)
 
 
 class AggregateOnMultirunEnd(Callback):
-    """Runs `ssd.evaluation.tables.aggregate` on the sweep dir and prints the markdown table."""
+    """Runs `ssd.evaluation.report.aggregate` on the sweep dir and prints the markdown table."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from ssd.evaluation.tables import aggregate
+        from ssd.evaluation.report import aggregate
 
         sweep_dir = Path(config.hydra.sweep.dir)
         try:

@@ -1,4 +1,4 @@
-"""The figures of a sweep's table (`ssd.evaluation.tables.aggregate`): speedup and acceptance vs L_d, WER and
+"""The figures of a sweep's table (`ssd.evaluation.report.aggregate`): speedup and acceptance vs L_d, WER and
 SIM vs each numeric rule parameter that varies, α per draft position."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ssd.config import CONFIG_MODULE, group_options
+from ssd.config_files import CONFIG_MODULE, group_options
 
 
 def config_label(group: str, node: Any) -> str:

@@ -1,11 +1,11 @@
-"""One table (markdown, LaTeX, CSV) and a few figures over all runs of a sweep dir.
+"""One table (markdown, LaTeX, CSV) over all runs of a sweep dir.
 
-`aggregate(sweep_dir)` reads every `metrics.json` below `sweep_dir` (and lists jobs that left an
+`build_table(sweep_dir)` reads every `metrics.json` below `sweep_dir` (and lists jobs that left an
 `error.json`), adds ΔWER, ΔSIM and ΔNMOS against the reference run of the same sweep (the target alone,
-`reference: true` in its metrics) or a `baseline` run dir, adds
-the measured per-call costs (`add_cost_columns`), and writes `table.{md,tex,csv}` and `fig_*.png` into the
-sweep dir (`ssd.evaluation.figures`). The experiment driver (`ssd.experiments`) writes its tables with the
-same `write_table`; `ssd.evaluation.selection` chooses a setting on a held-out split.
+`reference: true` in its metrics) or a `baseline` run dir, and the measured per-call costs
+(`add_cost_columns`); `write_table` writes `table.{md,tex,csv}` (`ssd.evaluation.report.aggregate` adds the
+figures). The experiment driver (`ssd.experiments`) writes its tables with the same `write_table`;
+`ssd.evaluation.selection` chooses a setting on a held-out split.
 
 A run's decoding setting is named by the keys listed in its metrics.json `setting_keys` (its decoder's labels,
 e.g. ["decoding", "draft", "acceptance", "beta", "draft_len", "adaptive"]; a rule's own parameters, whatever
@@ -389,16 +389,3 @@ def paper_table(rows: list[dict] | None) -> str:
     columns += [c for r in rows for c in r if c not in columns]
     frame = pd.DataFrame([{names.get(c, c): r.get(c, "-") for c in columns} for r in rows])
     return to_markdown(frame)
-
-
-def aggregate(
-    sweep_dir: str | Path, baseline_dir: str | Path | None = None, figures: bool = True
-) -> pd.DataFrame:
-    """Write table.{md,tex,csv} (+ figures) into `sweep_dir`; returns the full numeric table."""
-    from ssd.evaluation.figures import write_figures
-
-    table = build_table(sweep_dir, baseline_dir)
-    write_table(table, sweep_dir, "table")
-    if figures:
-        write_figures(table, Path(sweep_dir))
-    return table

@@ -24,11 +24,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssd.config import as_overrides, compose, group_options, merge_overrides, override_key, override_value
+from ssd.config import as_overrides, compose, merge_overrides, override_key, override_value
+from ssd.config_files import group_options
 from ssd.evaluation.provenance import CommandLog, git_description, machine_description
+from ssd.evaluation.report import aggregate
 from ssd.evaluation.run_dir import BASELINES_DIR, METRICS_FILE
 from ssd.evaluation.selection import matched_speed, select_on_dev
-from ssd.evaluation.tables import aggregate, display_table, paper_table, to_markdown, write_table
+from ssd.evaluation.tables import display_table, paper_table, to_markdown, write_table
 from ssd.experiments import STUDIES, StudyResult
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ssd.config import compose, option_node
+from ssd.config import compose
+from ssd.config_files import option_node
 from ssd.toy_world.audio_stages import corpus_language
 from ssd.toy_world.codec import ToyCodec
 from ssd.toy_world.corpus import flite_phones
