@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,7 @@ class RunDirLock:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
+            holder = self._holder(f)
             if not self.wait:
                 f.close()
                 raise RuntimeError(
@@ -75,6 +75,16 @@ class RunDirLock:
         f.flush()
         self._file = f
         return self
+
+    @staticmethod
+    def _holder(f: Any) -> str:
+        """Who holds the lock: the holder writes its pid just after taking it, so give it a moment to."""
+        for _ in range(20):
+            f.seek(0)
+            if holder := f.read().strip():
+                return holder
+            time.sleep(0.05)
+        return "another process"
 
     def __exit__(self, *exc: Any) -> None:
         if self._file is not None:

@@ -50,7 +50,8 @@ def run_drafters_study(experiment: Experiment) -> StudyResult:
     common = merge_overrides(as_overrides(spec.train.common), experiment.train_world)
     trained = []
     for family, settings in spec.train.families.items():
-        out_dir = Path(compose("sweep", [f"draft={family}", *experiment.world]).draft.checkpoint).parent
+        world = [f"experiment={experiment.name}", f"draft={family}", *experiment.world]
+        out_dir = Path(compose("sweep", world).draft.checkpoint).parent  # where its config looks for it
         metrics = _train(experiment, family, out_dir, merge_overrides(common, as_overrides(settings or {})))
         trained.append({"drafter": family, "trained in": str(out_dir), "steps": metrics.get("global_step"),
                         "dev α before": metrics.get("before/dev/alpha_softmax"),
