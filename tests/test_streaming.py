@@ -23,6 +23,7 @@ from ssd.decoding.observe import Instruments, Observer, Streaming
 from ssd.decoding.pcg import PCGRule
 from ssd.decoding.rng import RowRandom
 from ssd.decoding.sampling import SamplingConfig
+from ssd.evaluation.streaming import playback, stream_fields
 
 VOCAB, EOS = 8, 7
 LAW = SamplingConfig(top_k=5, ras_window=4, ras_tau=0.5, stop_tokens=(EOS,))
@@ -343,3 +344,18 @@ def test_toy_chunks_follow_the_schedule_and_a_single_chunk_is_the_one_shot_audio
     short = tokens[: first + 2]
     (single,) = stream_vocode(vocoder, short, prompt)
     np.testing.assert_array_equal(single, vocoder.vocode(short, prompt))
+
+
+# --- playback ------------------------------------------------------------------------------------------------
+
+
+def test_playback_deadlines_and_stalls():
+    """A listener starts at the first chunk and plays chunks back to back; a late chunk stalls playback by its
+    lateness, which moves every later deadline."""
+    ready, seconds = [0.5, 1.0, 3.0, 3.2], [1.0, 1.0, 0.5, 1.0]
+    deadlines, stalls = playback(ready, seconds)
+    assert deadlines == [0.5, 1.5, 2.5, 3.5] and stalls == [0.0, 0.0, 0.5, 0.0]
+    fields = stream_fields(ready, seconds)
+    assert fields["first_packet"] == 0.5 and fields["stall_total"] == 0.5 and fields["stall_count"] == 1
+    assert fields["stream_rtf"] == pytest.approx(3.2 / 3.5)
+    assert stream_fields([], [])["first_packet"] is None
