@@ -6,7 +6,8 @@
 - `AcceptanceRule` (+ its optional hooks `ExplicitLawRule`, `AuditedRule`, `SettlingRule`): what decides
   which draft tokens stay.
 - `Decoder`: a decoding strategy as the runner sees it (autoregressive, draft-only, speculative).
-- `SpeechTokenizer`, `Vocoder`, `ASR`, `SpeakerModel`, `MOSJudge`: the audio side of a run.
+- `SpeechTokenizer`, `Vocoder`, `ASR`, `SpeakerModel`, `MOSJudge`: the audio side of a run; a vocoder may also
+  stream (`StreamingVocoder`, `VocoderStream`: verified tokens in, audio chunks out, as CosyVoice's token2wav).
 
 Each swappable part is a Hydra `_target_` node in `configs/` (a group per kind: target, draft, acceptance,
 decoding, speech_tokenizer, vocoder, asr, sim, mos); a class of a user's own module plugs in with
@@ -320,6 +321,32 @@ class Vocoder(Protocol):
         LM prompt from the returned tokens, so LM and vocoder see the same prompt. Optional: a vocoder
         without it conditions on the prompt as given."""
         ...
+
+
+@runtime_checkable
+class VocoderStream(Protocol):
+    """One utterance's chunked synthesis: tokens arrive as the LM verifies them, audio leaves in chunks whose
+    concatenation is the utterance's streamed waveform. The chunks depend on the token sequence only, not on how
+    it was split into pushes."""
+
+    def push(self, tokens: np.ndarray) -> list[np.ndarray]:
+        """Append tokens (int64 [n], the vocoder's ids); returns the chunks (float32 [samples]) ready now."""
+        ...
+
+    def finish(self) -> list[np.ndarray]:
+        """The LM has ended: the rest of the audio (the session is closed afterwards)."""
+        ...
+
+
+@runtime_checkable
+class StreamingVocoder(Protocol):
+    """Optional, beside `Vocoder`: synthesis in chunks while the LM generates (`eval.streaming=true`).
+    `ssd.audio.streaming.ChunkSchedule` is CosyVoice's chunking (25-token hops, 3 tokens of lookahead), which
+    the shipped vocoders share."""
+
+    sample_rate: int
+
+    def stream(self, prompt: VocoderPrompt) -> VocoderStream: ...
 
 
 class ASR(Protocol):

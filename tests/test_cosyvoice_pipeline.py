@@ -237,18 +237,210 @@ MODEL_FILES = {  # model_class -> (yaml, speech tokenizer, LM class, flow class,
 FLOW_SCALE, HIFT_GAIN = 1.5, 2.0  # the stored weights: the waveform is 3x the embedding's value
 
 
-def _write_checkout(root, generation):
+# Streaming stand-ins: upstream's tts(stream=True) loop, its streaming token2wav (HiFT cache of 8 mel frames and
+# their audio, crossfaded under a Hamming window) and CosyVoice 3's (the whole mel rerun, new samples emitted), as
+# upstream's model.py reads; a flow whose mel depends on every token (so a wrong prefix or offset shows) and which
+# drops the pre-lookahead tokens' frames unless finalizing. "2025": the first chunk padded to the prompt
+# (prompt_token_pad) and token2wav(stream=...); "2024-12": neither (CosyVoice 2's first release).
+_STREAMING_MODEL = """
+\"\"\"Stand-in cosyvoice.cli.model (tests only): upstream's streaming loop and caches, tiny models.\"\"\"
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+
+
+def fade_in_out(fade_in_mel, fade_out_mel, window):
+    mel_overlap_len = int(window.shape[0] / 2)
+    fade_in_mel = fade_in_mel.clone()
+    fade_in_mel[..., :mel_overlap_len] = fade_in_mel[..., :mel_overlap_len] * window[:mel_overlap_len] + \\
+        fade_out_mel[..., -mel_overlap_len:] * window[mel_overlap_len:]
+    return fade_in_mel
+
+
+class CosyVoice2Model:
+    def __init__(self, llm, flow, hift, fp16=False{init_extra}):
+        self.device = torch.device("cpu")
+        self.llm, self.flow, self.hift, self.fp16 = llm, flow, hift, fp16
+        self.token_hop_len = 25
+        self.mel_cache_len = 8
+        self.source_cache_len = int(self.mel_cache_len * 480)
+        self.speech_window = torch.from_numpy(np.hamming(2 * self.source_cache_len)).float()
+        self.lock = threading.Lock()
+        self.tts_speech_token_dict, self.llm_end_dict, self.hift_cache_dict = {{}}, {{}}, {{}}
+        self.calls = []
+
+    def llm_job(self, text, prompt_text, llm_prompt_speech_token, llm_embedding, uuid):
+        raise RuntimeError("the stand-in has no LM")
+
+    def token2wav(self, token, prompt_token, prompt_feat, embedding, token_offset, uuid, {stream_param}finalize=False,
+                  speed=1.0):
+        self.calls.append((token[0].tolist(), token_offset, finalize, {stream_value}))
+        tts_mel, _ = self.flow.inference(token=token, token_len=torch.tensor([token.shape[1]]), prompt_token=prompt_token,
+                                         prompt_token_len=torch.tensor([prompt_token.shape[1]]), prompt_feat=prompt_feat,
+                                         prompt_feat_len=torch.tensor([prompt_feat.shape[1]]), embedding=embedding,
+                                         {stream_arg}finalize=finalize)
+        tts_mel = tts_mel[:, :, token_offset * self.flow.token_mel_ratio:]
+        if self.hift_cache_dict[uuid] is not None:
+            hift_cache_mel, hift_cache_source = self.hift_cache_dict[uuid]["mel"], self.hift_cache_dict[uuid]["source"]
+            tts_mel = torch.concat([hift_cache_mel, tts_mel], dim=2)
+        else:
+            hift_cache_source = torch.zeros(1, 1, 0)
+        tts_speech, tts_source = self.hift.inference(speech_feat=tts_mel, cache_source=hift_cache_source)
+        if self.hift_cache_dict[uuid] is not None:
+            tts_speech = fade_in_out(tts_speech, self.hift_cache_dict[uuid]["speech"], self.speech_window)
+        if finalize is False:
+            self.hift_cache_dict[uuid] = {{"mel": tts_mel[:, :, -self.mel_cache_len:],
+                                          "source": tts_source[:, :, -self.source_cache_len:],
+                                          "speech": tts_speech[:, -self.source_cache_len:]}}
+            tts_speech = tts_speech[:, :-self.source_cache_len]
+        return tts_speech
+
+    def tts(self, text=torch.zeros(1, 0, dtype=torch.int32), flow_embedding=torch.zeros(0, 192),
+            llm_embedding=torch.zeros(0, 192), prompt_text=torch.zeros(1, 0, dtype=torch.int32),
+            llm_prompt_speech_token=torch.zeros(1, 0, dtype=torch.int32),
+            flow_prompt_speech_token=torch.zeros(1, 0, dtype=torch.int32), prompt_speech_feat=torch.zeros(1, 0, 80),
+            source_speech_token=torch.zeros(1, 0, dtype=torch.int32), stream=False, speed=1.0, **kwargs):
+        this_uuid = str(uuid.uuid1())
+        with self.lock:
+            self.tts_speech_token_dict[this_uuid], self.llm_end_dict[this_uuid] = [], False
+            self.hift_cache_dict[this_uuid] = None
+        p = threading.Thread(target=self.llm_job, args=(text, prompt_text, llm_prompt_speech_token, llm_embedding,
+                                                        this_uuid))
+        p.start()
+        assert stream is True, "the stand-in streams only"
+        token_offset = 0
+        {pad_line}
+        while True:
+            time.sleep(0.1)
+            this_token_hop_len = {first_hop} if token_offset == 0 else self.token_hop_len
+            if len(self.tts_speech_token_dict[this_uuid]) - token_offset >= this_token_hop_len + self.flow.pre_lookahead_len:
+                this_tts_speech_token = torch.tensor(self.tts_speech_token_dict[this_uuid][:token_offset + this_token_hop_len + self.flow.pre_lookahead_len]).unsqueeze(dim=0)
+                this_tts_speech = self.token2wav(token=this_tts_speech_token, prompt_token=flow_prompt_speech_token,
+                                                 prompt_feat=prompt_speech_feat, embedding=flow_embedding,
+                                                 token_offset=token_offset, uuid=this_uuid, {stream_kw}finalize=False)
+                token_offset += this_token_hop_len
+                yield {{"tts_speech": this_tts_speech.cpu()}}
+            if self.llm_end_dict[this_uuid] is True and len(self.tts_speech_token_dict[this_uuid]) - token_offset < this_token_hop_len + self.flow.pre_lookahead_len:
+                break
+        p.join()
+        this_tts_speech_token = torch.tensor(self.tts_speech_token_dict[this_uuid]).unsqueeze(dim=0)
+        this_tts_speech = self.token2wav(token=this_tts_speech_token, prompt_token=flow_prompt_speech_token,
+                                         prompt_feat=prompt_speech_feat, embedding=flow_embedding,
+                                         token_offset=token_offset, uuid=this_uuid, finalize=True)
+        yield {{"tts_speech": this_tts_speech.cpu()}}
+        with self.lock:
+            self.tts_speech_token_dict.pop(this_uuid)
+            self.llm_end_dict.pop(this_uuid)
+            self.hift_cache_dict.pop(this_uuid)
+
+
+class CosyVoice3Model(CosyVoice2Model):
+    def token2wav(self, token, prompt_token, prompt_feat, embedding, token_offset, uuid, {stream_param}finalize=False,
+                  speed=1.0):
+        self.calls.append((token[0].tolist(), token_offset, finalize, {stream_value}))
+        tts_mel, _ = self.flow.inference(token=token, token_len=torch.tensor([token.shape[1]]), prompt_token=prompt_token,
+                                         prompt_token_len=torch.tensor([prompt_token.shape[1]]), prompt_feat=prompt_feat,
+                                         prompt_feat_len=torch.tensor([prompt_feat.shape[1]]), embedding=embedding,
+                                         {stream_arg}finalize=finalize)
+        tts_mel = tts_mel[:, :, token_offset * self.flow.token_mel_ratio:]
+        if self.hift_cache_dict[uuid] is not None:
+            tts_mel = torch.concat([self.hift_cache_dict[uuid]["mel"], tts_mel], dim=2)
+            self.hift_cache_dict[uuid]["mel"] = tts_mel
+        else:
+            self.hift_cache_dict[uuid] = {{"mel": tts_mel, "speech_offset": 0}}
+        tts_speech, _ = self.hift.inference(speech_feat=tts_mel, finalize=finalize)
+        tts_speech = tts_speech[:, self.hift_cache_dict[uuid]["speech_offset"]:]
+        self.hift_cache_dict[uuid]["speech_offset"] += tts_speech.shape[1]
+        return tts_speech
+"""
+
+_STREAMING_FLOW = """
+import torch
+
+
+class CausalMaskedDiffWithXvec(torch.nn.Module):
+    def __init__(self, token_mel_ratio=2, output_size=80):
+        super().__init__()
+        self.token_mel_ratio, self.output_size, self.pre_lookahead_len = token_mel_ratio, output_size, 3
+        self.scale = torch.nn.Parameter(torch.zeros(()))
+
+    def inference(self, token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
+                  {stream_param}finalize=False):
+        tokens = torch.cat([prompt_token, token], 1).float()
+        if not finalize:
+            tokens = tokens[:, : tokens.shape[1] - self.pre_lookahead_len]
+        # each frame: its token, plus the mean of every token so far (left context), in the prompt's voice
+        context = tokens.cumsum(1) / torch.arange(1, tokens.shape[1] + 1)
+        frames = (tokens / 100 + context / 1000 + embedding[:, :1]).repeat_interleave(self.token_mel_ratio, dim=1)
+        mel = (frames[:, None, prompt_feat.shape[1]:] * self.scale).expand(1, self.output_size, -1).clone()
+        return mel, None
+
+
+class CausalMaskedDiffWithDiT(CausalMaskedDiffWithXvec):
+    pass
+"""
+
+_STREAMING_HIFT = """
+import torch
+
+
+class HiFTGenerator(torch.nn.Module):
+    def __init__(self, sampling_rate=24000):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.zeros(()))
+
+    def inference(self, speech_feat, cache_source=torch.zeros(1, 1, 0)):
+        speech = (speech_feat.mean(1) * self.gain).repeat_interleave(480, dim=1)
+        ramp = torch.linspace(0, 1e-3, speech.shape[1])[None]  # differs sample by sample
+        return speech + ramp, torch.zeros(1, 1, speech.shape[1])
+
+
+class CausalHiFTGenerator(HiFTGenerator):
+    def inference(self, speech_feat, finalize=True):
+        return super().inference(speech_feat)
+"""
+
+
+def _streaming_files(pad: bool, stream_arg: bool, flow_cache: bool = False):
+    model = _STREAMING_MODEL.format(
+        init_extra=", use_flow_cache=False" if flow_cache else "",
+        stream_param="stream=False, " if stream_arg else "",
+        stream_value="stream" if stream_arg else "None",
+        stream_arg="streaming=stream, " if stream_arg else "",
+        stream_kw="stream=stream, " if stream_arg else "",
+        pad_line=(
+            "prompt_token_pad = int(np.ceil(flow_prompt_speech_token.shape[1] / self.token_hop_len) * "
+            "self.token_hop_len - flow_prompt_speech_token.shape[1])"
+        ) if pad else "",
+        first_hop="self.token_hop_len + prompt_token_pad" if pad else "self.token_hop_len",
+    )  # fmt: skip
+    flow = _STREAMING_FLOW.format(stream_param="streaming=False, " if stream_arg else "")
+    return model, flow, _STREAMING_HIFT
+
+
+STREAMING = {
+    "2025": _streaming_files(pad=True, stream_arg=True),
+    "2024-12": _streaming_files(pad=False, stream_arg=False),
+    "flow-cache": _streaming_files(pad=True, stream_arg=True, flow_cache=True),
+}
+
+
+def _write_checkout(root, generation, streaming=None):
+    model, flow, hift = (_MODEL, _FLOW, _HIFT) if streaming is None else STREAMING[streaming]
     files = {
         "cosyvoice/__init__.py": "",
         "cosyvoice/cli/__init__.py": "",
         "cosyvoice/cli/frontend.py": _FRONTEND_COMMON + FRONTENDS[generation],
-        "cosyvoice/cli/model.py": _MODEL,
+        "cosyvoice/cli/model.py": model,
         "cosyvoice/llm/__init__.py": "",
         "cosyvoice/llm/llm.py": _LLM,
         "cosyvoice/flow/__init__.py": "",
-        "cosyvoice/flow/flow.py": _FLOW,
+        "cosyvoice/flow/flow.py": flow,
         "cosyvoice/hifigan/__init__.py": "",
-        "cosyvoice/hifigan/generator.py": _HIFT,
+        "cosyvoice/hifigan/generator.py": hift,
         "cosyvoice/tokenizer/__init__.py": "",
         "cosyvoice/tokenizer/tokenizer.py": _TOKENIZER,
         "third_party/Matcha-TTS/matcha/__init__.py": "",
@@ -286,8 +478,8 @@ def isolated_imports(monkeypatch):
     forget()
 
 
-def _vocoder(tmp_path, generation, model_class="CosyVoice2", python=None):
-    repo = _write_checkout(tmp_path / f"CosyVoice-{generation}", generation)
+def _vocoder(tmp_path, generation, model_class="CosyVoice2", python=None, streaming=None):
+    repo = _write_checkout(tmp_path / f"CosyVoice-{generation}", generation, streaming)
     model_dir = _model_dir(tmp_path / f"{model_class}-0.5B", model_class)
     return CosyVoice2Vocoder(repo, model_dir, python=python, model_class=model_class)
 
@@ -593,3 +785,109 @@ def test_worker_script_needs_only_the_standard_library_at_import():
         node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
     }
     assert top <= set(sys.stdlib_module_names) | {"__future__"}, top - set(sys.stdlib_module_names)
+
+
+# --- streaming: the checkout's own tts(stream=True) for the same tokens -------------------------------------------
+
+
+def _check_script():
+    """scripts/check_cosyvoice_streaming.py (the same comparison, for a real checkout)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "check_cosyvoice_streaming.py"
+    spec = importlib.util.spec_from_file_location("check_cosyvoice_streaming", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STREAM_TOKENS = 130  # 59 prompt tokens: chunks of 41 (25 + the pad of 16), 25, 25, then the rest
+
+
+@pytest.mark.usefixtures("isolated_imports")
+@pytest.mark.parametrize("model_class", ["CosyVoice2", "CosyVoice3"])
+@pytest.mark.parametrize("release", ["2025", "2024-12"])
+def test_streamed_chunks_equal_the_checkouts_own_streaming_tts(tmp_path, release, model_class):
+    """Pushed in random splits of 1-9 tokens (as speculative rounds deliver them), the vocoder's stream makes the
+    checkout's own token2wav calls of its tts(stream=True) loop, one by one (tokens, token_offset, finalize, the
+    stream flag where token2wav takes one), and its chunks equal that loop's sample for sample; the HiFT cache is
+    gone after the last chunk. The schedule is read off the checkout: the first chunk padded to the prompt where
+    its tts pads it (2025), not where it does not (2024-12)."""
+    from ssd.audio.streaming import ChunkSchedule
+
+    vocoder = _vocoder(tmp_path, "path-622a3a1", model_class=model_class, streaming=release)
+    new = release == "2025"
+    assert vocoder.streaming == {"supported": True, "why": None, "token_hop_len": 25, "pre_lookahead_len": 3,
+                                 "align_prompt": new, "stream_arg": new}  # fmt: skip
+    prompt = vocoder.prepare_prompt(_prompt())
+    tokens = np.random.default_rng(0).integers(0, 6561, STREAM_TOKENS)
+    check, model = _check_script(), vocoder.engine.model
+
+    mine = check.ours(vocoder, tokens, prompt, seed=1)
+    our_calls, model.calls = model.calls, []
+    assert model.hift_cache_dict == {}
+    theirs = check.upstream_tts_stream(model, tokens, *vocoder._prepared(prompt), per_poll=2)
+    assert our_calls == model.calls
+    schedule = ChunkSchedule(align_prompt=new).chunks(STREAM_TOKENS, UPSTREAM_PROMPT_TOKENS)
+    assert [(len(t), offset, final) for t, offset, final, _ in our_calls] == schedule
+    assert [stream for *_, stream in our_calls] == [True] * (len(schedule) - 1) + [False] if new else [None] * len(
+        schedule)  # fmt: skip
+    assert len(mine) == len(theirs) == len(schedule) >= 4
+    for a, b in zip(mine, theirs):
+        np.testing.assert_array_equal(a, b)
+    assert np.concatenate(mine).size == STREAM_TOKENS * 960  # 40 ms a token at 24 kHz, as one-shot
+    assert check.compare(vocoder, tokens, prompt, per_poll=1, seed=2)["equal"]
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_negative_control_a_stream_without_the_prompt_pad_differs_from_the_checkouts(tmp_path):
+    """The comparison tells schedules apart: the 2025 checkout's tts pads its first chunk; a stream that does not
+    (align_prompt off) makes other calls and other audio."""
+    from ssd.audio.vocoder import CosyVoiceStream
+
+    vocoder = _vocoder(tmp_path, "path-622a3a1", streaming="2025")
+    prompt = vocoder.prepare_prompt(_prompt())
+    tokens = np.random.default_rng(0).integers(0, 6561, STREAM_TOKENS)
+    check = _check_script()
+    theirs = check.upstream_tts_stream(vocoder.engine.model, tokens, *vocoder._prepared(prompt))
+    from ssd.audio.streaming import ChunkSchedule
+
+    wrong = CosyVoiceStream(vocoder.engine, ChunkSchedule(align_prompt=False), *vocoder._prepared(prompt))
+    mine = [*wrong.push(tokens), *wrong.finish()]
+    assert [c.size for c in mine] != [c.size for c in theirs]
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_the_worker_streams_what_the_process_streams(tmp_path):
+    here = _vocoder(tmp_path / "here", "path-622a3a1", streaming="2025")
+    there = _vocoder(tmp_path / "there", "path-622a3a1", python=sys.executable, streaming="2025")
+    assert there.streaming == here.streaming
+    prompt = here.prepare_prompt(_prompt())
+    tokens = np.random.default_rng(3).integers(0, 6561, 90)
+    check = _check_script()
+    a, b = check.ours(here, tokens, prompt, seed=4), check.ours(there, tokens, prompt, seed=5)
+    assert len(a) == len(b) >= 3
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    abandoned = there.stream(prompt)  # a session dropped mid-utterance frees its cache in the worker
+    assert abandoned.push(tokens[:60]) and abandoned.open
+    abandoned._close()
+    assert not abandoned.open
+    there.close()
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_streaming_a_checkout_it_cannot_follow_is_a_clear_error(tmp_path):
+    flow_cache = _vocoder(tmp_path / "a", "path-622a3a1", streaming="flow-cache")
+    assert not flow_cache.streaming["supported"]
+    with pytest.raises(ValueError, match="eval.streaming=true: .*flow cache"):
+        flow_cache.stream(flow_cache.prepare_prompt(_prompt()))
+
+
+@pytest.mark.usefixtures("isolated_imports")
+def test_streaming_a_checkout_without_a_streaming_loop_is_a_clear_error(tmp_path):
+    plain = _vocoder(tmp_path, "path-622a3a1")  # the non-streaming stand-in: no tts loop to follow
+    with pytest.raises(ValueError, match="no streaming tts"):
+        plain.stream(plain.prepare_prompt(_prompt()))
+    assert plain.vocode(np.arange(NEW_TOKENS) % 7, plain.prepare_prompt(_prompt())).shape == (48_000,)

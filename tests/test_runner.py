@@ -378,8 +378,8 @@ def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_p
     batch-invariant, and the run stops instead of writing records that depend on the batch."""
     decode = runner.decode_items
 
-    def alone_differs(settings, m, items, max_tokens=None, decoder=None):
-        result, lo, hi = decode(settings, m, items, max_tokens, decoder)
+    def alone_differs(settings, m, items, max_tokens=None, decoder=None, observer=None):
+        result, lo, hi = decode(settings, m, items, max_tokens, decoder, observer)
         if len(items) == 1 and max_tokens is None and decoder is None:
             result.tokens[0] = result.tokens[0][:-1]
         return result, lo, hi
@@ -434,6 +434,73 @@ def test_the_baseline_timed_beside_a_run_must_decode_the_baseline_runs_tokens(mi
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(RuntimeError, match="other tokens than the baseline run"):
         evaluate(_cfg(micro_world, f"baseline_dir={tmp_path / 'ar'}"), tmp_path / "spec2")
+
+
+# Chunks of 5 tokens (+ 2 of lookahead), so the micro world's short utterances stream in several chunks.
+SMALL_CHUNKS = ("eval.streaming=true", "vocoder.token_hop_len=5", "vocoder.pre_lookahead_len=2")
+
+
+def test_streaming_runs_record_first_packet_and_stalls_paired_with_ar_and_the_table_shows_them(
+    micro_world, tmp_path
+):
+    """eval.streaming=true: every timed item (and its AR baseline beside it) streams; its record holds each chunk's
+    ready time, duration, deadline and stall, the first-packet latency and the streaming RTF; the judged audio is
+    the streamed audio; metrics.json has the median first-packet latency with its CI, stalls, and the paired
+    median difference vs AR with its CI; the table shows them for AR and the speculative run."""
+    from ssd.evaluation.tables import build_table, display_table
+
+    sweep = tmp_path / "sweep"
+    ar = evaluate(_cfg(micro_world, "decoding=ar", *SMALL_CHUNKS, max_len=30), sweep / "ar")
+    spec = evaluate(_cfg(micro_world, *SMALL_CHUNKS, f"baseline_dir={sweep / 'ar'}", "eval.batch_size=2",
+                         "eval.timed_utts=2", max_len=30), sweep / "spec")  # fmt: skip
+    ar_records = read_records(sweep / "ar" / RESULTS_FILE)
+    records = read_records(sweep / "spec" / RESULTS_FILE)
+    for r in ar_records + records[:2]:
+        n = len(r["chunk_ready"])
+        assert n >= 2 and len(r["chunk_sec"]) == len(r["chunk_deadline"]) == len(r["chunk_stall"]) == n
+        assert r["first_packet"] == r["chunk_ready"][0] > 0 and r["chunk_ready"] == sorted(r["chunk_ready"])
+        assert sum(r["chunk_sec"]) == pytest.approx(r["audio_sec"])  # 640 samples a token at 16 kHz
+        assert r["stall_total"] == pytest.approx(sum(r["chunk_stall"])) and r["stall_count"] >= 0
+        assert r["stream_rtf"] == pytest.approx(r["chunk_ready"][-1] / r["audio_sec"])
+        assert r["lm_time"] < r["chunk_ready"][-1]  # the LM time leaves the synthesis out
+    assert all(r["baseline_first_packet"] > 0 for r in records[:2])
+    assert records[2]["first_packet"] is None and records[2]["baseline_first_packet"] is None  # not timed
+    assert all(r["vocoder_time"] > 0 for r in records)
+    for m, n in ((ar, 3), (spec, 2)):
+        assert m["stream_utterances"] == n and m["first_packet_median"] > 0
+        lo, hi = m["first_packet_median_ci"]
+        assert lo <= m["first_packet_median"] <= hi and m["stall_count"] >= 0 and m["stream_rtf"] > 0
+    assert "first_packet_delta_vs_ar" not in ar and spec["first_packet_pairs"] == 2
+    deltas = [r["first_packet"] - r["baseline_first_packet"] for r in records[:2]]
+    assert spec["first_packet_delta_vs_ar"] == pytest.approx(np.median(deltas))
+    assert len(spec["first_packet_delta_vs_ar_ci"]) == 2
+
+    shown = display_table(build_table(sweep))
+    assert list(shown["decoding"]) == ["ar", "speculative"]
+    for column in (
+        "first packet ms [95% CI]",
+        "Δ first packet vs AR ms [95% CI]",
+        "stalls n / s",
+        "stream RTF",
+    ):
+        assert column in shown
+    assert all("[" in v for v in shown["first packet ms [95% CI]"])
+    assert shown["Δ first packet vs AR ms [95% CI]"].tolist()[0] == "-" and "[" in shown[
+        "Δ first packet vs AR ms [95% CI]"].tolist()[1]  # fmt: skip
+
+
+def test_a_run_that_does_not_stream_has_no_streaming_fields(micro_world, tmp_path):
+    metrics = evaluate(_cfg(micro_world, n_utts=1, max_len=10), tmp_path / "run")
+    (record,) = read_records(tmp_path / "run" / RESULTS_FILE)
+    assert "first_packet" not in record and "first_packet_median" not in metrics
+
+
+def test_streaming_needs_a_vocoder_that_streams(micro_world, tmp_path, monkeypatch):
+    from ssd.toy_world.codec import ToyVocoder
+
+    monkeypatch.delattr(ToyVocoder, "stream")
+    with pytest.raises(ValueError, match="has no stream"):
+        evaluate(_cfg(micro_world, "eval.streaming=true", n_utts=1, max_len=10), tmp_path / "run")
 
 
 def test_adaptive_draft_length_runs_at_batch_1_and_says_so(micro_world, tmp_path):

@@ -10,6 +10,10 @@ serves requests on stdin/stdout (`serve`); `--check` builds everything and exits
 saved request in the foreground (the commands a worker error prints). Messages are a JSON header and .npy arrays, read with
 allow_pickle=False: nothing received is unpickled.
 
+Streaming (`stream_chunk`): one call of upstream's streaming token2wav for a session (its HiFT cache lives in
+upstream's `hift_cache_dict` under the session's id, here or in the worker); `ssd.audio.vocoder` schedules the
+calls as upstream's `tts(stream=True)` does (`ssd.audio.streaming`).
+
 Upstream's `CosyVoice2` / `CosyVoice3` classes also build and load the LM; this builds only what token2wav
 needs: the model dir's HyperPyYAML with its `llm` entry overridden to null (so the LM is never
 constructed), the flow and HiFT loaded from flow.pt / hift.pt with weights_only=True, upstream's model
@@ -157,12 +161,14 @@ class Token2Wav:
         self.sample_rate = int(configs["sample_rate"])
         self.frontend_api, self._pass_spk_id = frontend_generation(self.frontend.frontend_zero_shot, repo)
         self.prompt_rate = TENSOR_API_RATE if self.frontend_api == TENSOR_API else None  # None: any >= 16 kHz
+        self.streaming = streaming_schedule(model_cls, self.model)
 
     def info(self) -> dict[str, Any]:
         return {
             "sample_rate": self.sample_rate,
             "frontend_api": self.frontend_api,
             "prompt_rate": self.prompt_rate,
+            "streaming": self.streaming,
         }
 
     def conditioning(self, wav: Any, sr: int, text: str) -> tuple[Any, Any]:
@@ -214,6 +220,67 @@ class Token2Wav:
         finally:
             self.model.hift_cache_dict.pop(session, None)
         return wav.squeeze(0).float().cpu().numpy()
+
+    def stream_chunk(self, session: str, tokens: Any, prompt_tokens: Any, feat: Any, embedding: Any,
+                     token_offset: int, finalize: bool) -> Any:  # fmt: skip
+        """One call of upstream's streaming token2wav for `session` (every token so far, the tokens already
+        synthesised, finalize on the last call), with the arguments upstream's tts(stream=True) passes: stream=True
+        on the calls before the last where token2wav takes it, none on the last. Its HiFT cache is upstream's
+        hift_cache_dict[session], made on the first call and dropped after the last."""
+        import numpy as np
+
+        torch = self._torch
+        if not self.streaming["supported"]:
+            raise ValueError(self.streaming["why"])
+        if token_offset == 0:
+            self.model.hift_cache_dict[session] = None
+        extra = {"stream": True} if self.streaming["stream_arg"] and not finalize else {}
+        try:
+            with torch.no_grad():
+                wav = self.model.token2wav(
+                    token=torch.as_tensor(np.asarray(tokens), dtype=torch.int32)[None],
+                    prompt_token=torch.as_tensor(np.asarray(prompt_tokens), dtype=torch.int32)[None],
+                    prompt_feat=torch.from_numpy(np.ascontiguousarray(feat, dtype=np.float32)),
+                    embedding=torch.from_numpy(np.ascontiguousarray(embedding, dtype=np.float32)),
+                    token_offset=int(token_offset),
+                    uuid=session,
+                    finalize=bool(finalize),
+                    **extra,
+                )
+        except BaseException:
+            self.model.hift_cache_dict.pop(session, None)
+            raise
+        if finalize:
+            self.model.hift_cache_dict.pop(session, None)
+        return wav.squeeze(0).float().cpu().numpy()
+
+    def stream_close(self, session: str) -> None:
+        """Drop a session's cache (a stream abandoned before its last call)."""
+        self.model.hift_cache_dict.pop(session, None)
+
+
+def streaming_schedule(model_cls: Any, model: Any) -> dict[str, Any]:
+    """How the checkout streams, read off its own model class: token_hop_len (the model's), pre_lookahead_len (the
+    flow's), whether tts pads the first chunk to the prompt (`prompt_token_pad` in its source), whether token2wav
+    takes `stream`; `supported` False (with `why`) for a model class this vocoder cannot drive in chunks."""
+    why = None
+    if "use_flow_cache" in inspect.signature(model_cls.__init__).parameters:
+        why = (f"this checkout's {model_cls.__name__} streams with a flow cache (upstream 2025-04 to 2025-05), which "
+               "this vocoder does not drive: check out an upstream commit outside that range to stream")  # fmt: skip
+    elif not hasattr(model_cls, "tts") or not hasattr(model, "token_hop_len"):
+        why = f"this checkout's {model_cls.__name__} has no streaming tts / token_hop_len to follow"
+    try:
+        tts_source = inspect.getsource(model_cls.tts)
+    except (AttributeError, OSError, TypeError):
+        tts_source = ""
+    return {
+        "supported": why is None,
+        "why": why,
+        "token_hop_len": int(getattr(model, "token_hop_len", 25)),
+        "pre_lookahead_len": int(getattr(model.flow, "pre_lookahead_len", 3)),
+        "align_prompt": "prompt_token_pad" in tts_source,
+        "stream_arg": "stream" in inspect.signature(model.token2wav).parameters,
+    }
 
 
 def _model_options(model_cls: Any, fp16: bool) -> dict[str, Any]:
@@ -282,6 +349,13 @@ def handle(engine: Token2Wav, header: dict[str, Any], arrays: dict[str, Any]) ->
     if op == "token2wav":
         wav = engine.token2wav(arrays["tokens"], arrays["prompt_tokens"], arrays["feat"], arrays["embedding"])
         return {"ok": True}, {"wav": wav}
+    if op == "stream_chunk":
+        wav = engine.stream_chunk(str(header["session"]), arrays["tokens"], arrays["prompt_tokens"], arrays["feat"],
+                                  arrays["embedding"], int(header["token_offset"]), bool(header["finalize"]))  # fmt: skip
+        return {"ok": True}, {"wav": wav}
+    if op == "stream_close":
+        engine.stream_close(str(header["session"]))
+        return {"ok": True}, {}
     raise ValueError(f"unknown request op {op!r}")
 
 

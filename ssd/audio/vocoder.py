@@ -10,6 +10,8 @@ Backends (Hydra `_target_`s in configs/vocoder/):
               the mel's frames as upstream's frontend cuts them, then `model.token2wav(..., token_offset=0,
               finalize=True)`. In this process, or with `vocoder.python=` in a worker process running the
               CosyVoice environment's own Python (its torch and torchaudio), so this one needs neither.
+              Streaming (`stream`): upstream's streaming token2wav, called on the schedule of upstream's
+              tts(stream=True) as the checkout defines it (ssd/audio/streaming.py).
 
 Each constructor checks its paths before importing anything heavy, so a runner fails fast.
 """
@@ -21,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import uuid
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +34,7 @@ import numpy as np
 from ssd.audio import cosyvoice_token2wav as upstream
 from ssd.audio.cosyvoice_token2wav import PATH_API, TENSOR_API, Token2Wav, check_paths
 from ssd.audio.features import resample
+from ssd.audio.streaming import ChunkedStream, ChunkSchedule
 from ssd.contracts import VocoderPrompt
 
 __all__ = ["PATH_API", "TENSOR_API", "CosyVoice2Vocoder", "Token2WavWorker", "WorkerError"]
@@ -78,7 +82,7 @@ class Token2WavWorker:
         if not ready["ok"]:
             self.close()
             raise WorkerError(self._failure("start", ready, check))
-        self.info = {k: ready[k] for k in ("sample_rate", "frontend_api", "prompt_rate")}
+        self.info = {k: ready[k] for k in ("sample_rate", "frontend_api", "prompt_rate", "streaming")}
 
     def conditioning(self, wav: np.ndarray, sr: int, text: str) -> tuple[np.ndarray, np.ndarray]:
         out = self._call({"op": "conditioning", "sample_rate": int(sr), "text": text}, {"wav": wav})
@@ -87,6 +91,17 @@ class Token2WavWorker:
     def token2wav(self, tokens, prompt_tokens, feat, embedding) -> np.ndarray:
         arrays = {"tokens": tokens, "prompt_tokens": prompt_tokens, "feat": feat, "embedding": embedding}
         return self._call({"op": "token2wav"}, arrays)["wav"]
+
+    def stream_chunk(
+        self, session, tokens, prompt_tokens, feat, embedding, token_offset, finalize
+    ) -> np.ndarray:
+        header = {"op": "stream_chunk", "session": session, "token_offset": int(token_offset),
+                  "finalize": bool(finalize)}  # fmt: skip
+        arrays = {"tokens": tokens, "prompt_tokens": prompt_tokens, "feat": feat, "embedding": embedding}
+        return self._call(header, arrays)["wav"]
+
+    def stream_close(self, session: str) -> None:
+        self._call({"op": "stream_close", "session": session}, {})
 
     def _call(self, header: dict[str, Any], arrays: dict[str, Any]) -> dict[str, np.ndarray]:
         try:
@@ -164,6 +179,9 @@ class CosyVoice2Vocoder:
         self.sample_rate = int(info["sample_rate"])
         self.frontend_api = info["frontend_api"]
         self._prompt_rate = info["prompt_rate"]
+        self.streaming = info[
+            "streaming"
+        ]  # the checkout's streaming schedule (cosyvoice_token2wav.streaming_schedule)
         # prompt audio -> (mel feat [1, frames, 80], embedding [1, 192]), numpy
         self._conditioning: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -177,6 +195,14 @@ class CosyVoice2Vocoder:
         prompt_tokens, feat, embedding = self._prepared(prompt)
         wav = self.engine.token2wav(np.asarray(tokens, dtype=np.int64), prompt_tokens, feat, embedding)
         return np.asarray(wav, dtype=np.float32)
+
+    def stream(self, prompt: VocoderPrompt) -> CosyVoiceStream:
+        """A streaming session of upstream's token2wav on this prompt (`ssd.contracts.StreamingVocoder`)."""
+        if not self.streaming["supported"]:
+            raise ValueError(f"eval.streaming=true: {self.streaming['why']}")
+        schedule = ChunkSchedule(self.streaming["token_hop_len"], self.streaming["pre_lookahead_len"],
+                                 self.streaming["align_prompt"])  # fmt: skip
+        return CosyVoiceStream(self.engine, schedule, *self._prepared(prompt))
 
     def close(self) -> None:
         """Stop the worker process (if any); the vocoder cannot vocode afterwards."""
@@ -206,3 +232,26 @@ class CosyVoice2Vocoder:
                 wav, sr = resample(wav, sr, target), target
             self._conditioning[key] = self.engine.conditioning(wav, sr, prompt.text)
         return self._conditioning[key]
+
+
+class CosyVoiceStream(ChunkedStream):
+    """One utterance through upstream's streaming token2wav: each call gets every token so far and the offset of
+    the tokens already synthesised; upstream's own token2wav crops, caches and crossfades (its hift_cache_dict
+    under this session's id)."""
+
+    def __init__(self, engine: Any, schedule: ChunkSchedule, prompt_tokens, feat, embedding) -> None:
+        super().__init__(schedule, len(prompt_tokens))
+        self.engine, self.conditioning = engine, (prompt_tokens, feat, embedding)
+        self.session = f"ssd-stream-{uuid.uuid4()}"
+        self.open = False  # upstream holds a cache for this session
+
+    def _synthesise(self, tokens: np.ndarray, token_offset: int, finalize: bool) -> np.ndarray:
+        self.open = True
+        wav = self.engine.stream_chunk(self.session, tokens, *self.conditioning, token_offset, finalize)
+        self.open = not finalize  # a last call that returned has dropped the session's cache
+        return np.asarray(wav, dtype=np.float32)
+
+    def _close(self) -> None:
+        if self.open:
+            self.engine.stream_close(self.session)
+            self.open = False

@@ -9,6 +9,10 @@ batch stays rectangular, and their output is frozen):
     n, y = rule.verify(ps, qs, xs, generator)             # how many stay, and the next token
     emit; the round's one host sync; roll the target back; draft.accept(n, y, features)
 
+Streaming: an observer with `streams` (`ssd.decoding.observe.Streaming`) gets each round's emitted tokens, read
+on that same sync, after verification (`Observer.emitted`): a vocoder fed from it never sees a draft token the
+rule did not keep. A round whose SettlingRule left a token unsettled reads the settled tokens once more.
+
 Batch invariance: every random number comes from the row's own stream (`RowRandom`) and a row draws the same
 count per round whatever its verdict, so row b decodes exactly as it would alone (with a fixed draft length:
 an adaptive one is shared by the batch, so it decodes one row at a time).
@@ -91,16 +95,20 @@ def decode_ar(model: SpeechLM, request: Request, sampling: SamplingConfig, obser
     observer.begin(_device(model))
     cache, logits = model.prefill(request.prompt, int(torch.as_tensor(request.max_len).max()) + 1)
     seqs = Sequences(request, sampling, model, logits)
+    mark = _mark(seqs, observer)
     token = seqs.first(logits)
-    (finished,) = seqs.sync()
+    finished, *fresh = seqs.sync(*_fresh(seqs, observer, mark, 1))
     observer.lap("prefill")
+    _hand_over(observer, fresh)
     while not finished:
         observer.step(~seqs.done)
         logits = model.extend(cache, token.unsqueeze(-1))[:, -1]
         observer.lap("verify")
+        mark = _mark(seqs, observer)
         token = seqs.first(logits)
-        (finished,) = seqs.sync()
+        finished, *fresh = seqs.sync(*_fresh(seqs, observer, mark, 1))
         observer.lap("accept")
+        _hand_over(observer, fresh)
     return DecodeResult(seqs.tokens(), seqs.reasons(), *observer.result(seqs.count.tolist()))
 
 
@@ -124,12 +132,14 @@ def decode_speculative(target: SpeechLM, drafter: Drafter, request: Request, sam
             "fixed draft_len"
         )
     seqs = Sequences(request, sampling, target, logits, slack=k_max + 1)
+    mark = _mark(seqs, observer)
     pending = seqs.first(logits).unsqueeze(-1)
     draft = drafter.start(request.prompt, pending[:, 0], cache.features, room)
     verify, settles = observer.verifier(rule), isinstance(rule, SettlingRule)
     rows = torch.arange(seqs.batch, device=seqs.device)
-    (finished,) = seqs.sync()
+    finished, *fresh = seqs.sync(*_fresh(seqs, observer, mark, 1))
     observer.lap("prefill")
+    _hand_over(observer, fresh)
     while not finished:
         xs, ps = draft.propose(k, seqs.draw)
         observer.lap("draft")
@@ -140,19 +150,42 @@ def decode_speculative(target: SpeechLM, drafter: Drafter, request: Request, sam
         n_acc = torch.where(active, n_acc, 0)
         block = torch.cat([xs, y.unsqueeze(-1)], 1)
         block[rows, n_acc] = y
+        mark = _mark(seqs, observer)
         seqs.emit(block, n_acc + 1)
         unsettled = (y == UNSETTLED) & active if settles else y.new_zeros((), dtype=torch.bool)
-        finished, kept, any_unsettled = seqs.sync(n_acc, unsettled.any())
+        finished, kept, any_unsettled, *fresh = seqs.sync(
+            n_acc, unsettled.any(), *_fresh(seqs, observer, mark, k + 1)
+        )
         if any_unsettled:
             y = rule.settle(y)
             seqs.settle_last(unsettled, y)
+            if observer.streams:  # the settled token replaced (or, a stop token, ended) the row's last one
+                _, *fresh = seqs.sync(*seqs.since(mark, k + 1))
         target.rollback(cache, [k - n for n in kept])
         observer.lap("accept")
+        _hand_over(observer, fresh)
         draft.accept(kept, y, cache.features)
         observer.lap("draft")
         observer.round(k, xs, ps, qs, n_acc, active)
         pending, k = y.unsqueeze(-1), adaptive.next(k, kept) if adaptive else k
     return DecodeResult(seqs.tokens(), seqs.reasons(), *observer.result(seqs.count.tolist()))
+
+
+def _mark(seqs: Sequences, observer: Observer) -> torch.Tensor | None:
+    """Each row's count before a step emits, when the observer streams (a decode that does not pays nothing)."""
+    return seqs.count.clone() if observer.streams else None
+
+
+def _fresh(seqs: Sequences, observer: Observer, mark: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """The round's emitted tokens for the sync to read, when the observer streams; else nothing extra."""
+    return seqs.since(mark, width) if observer.streams else ()
+
+
+def _hand_over(observer: Observer, fresh: list) -> None:
+    """Each row's verified tokens of the round, as the sync read them, to a streaming observer."""
+    if fresh:
+        tokens, counts = fresh
+        observer.emitted([row[:n] for row, n in zip(tokens, counts)])
 
 
 def _device(model: Any) -> torch.device:

@@ -5,6 +5,9 @@ only call its hooks, and without an observer (`Observer()`, the default) a decod
 `Instruments` keeps its counts on the device and reads them once, at the end; its diagnostics (overlap, TV,
 audit) run after the round's accept phase and are timed apart (`time_diagnostics`), so the phase times are
 what a deployment pays.
+
+Streaming (`Streaming`): an observer with `streams = True` is handed each round's tokens after verification
+(`emitted`), read on the round's one host sync; nothing the drafter proposed reaches it unless the rule kept it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from ssd.contracts import AuditedRule, ExplicitLawRule
 
-PHASES = ("prefill", "draft", "verify", "accept", "diagnostics")
+PHASES = ("prefill", "draft", "verify", "accept", "diagnostics", "stream")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class DecodeStats:
     time_verify: float = 0.0
     time_accept: float = 0.0
     time_diagnostics: float = 0.0  # overlap, TV and audit bookkeeping: not part of time_total
+    time_stream: float = 0.0  # a streaming observer's sink (the vocoder's chunks): not part of time_total
 
     @property
     def time_total(self) -> float:
@@ -90,6 +94,9 @@ def _per_position(sums: list[float] | None, proposed: list[int]) -> list[float]:
 class Observer:
     """The hooks a decode calls; this base observes nothing and costs nothing."""
 
+    # True: the loops read each round's verified tokens on the round's sync and hand them to `emitted`.
+    streams: bool = False
+
     def begin(self, device: torch.device, positions: int = 0) -> None:
         """Before prefill (the clock starts here); `positions`: the most draft positions a round will have."""
 
@@ -106,6 +113,12 @@ class Observer:
     def round(self, k: int, xs: torch.Tensor, ps: torch.Tensor, qs: torch.Tensor, n_acc: torch.Tensor,
               active: torch.Tensor) -> None:  # fmt: skip
         """A speculative round: k drafted, n_acc [B] kept (0 for inactive rows), after its accept phase."""
+
+    def emitted(self, tokens: list[list[int]]) -> None:
+        """Each row's tokens emitted by the step or round just verified (host ints, in order, stop tokens
+        excluded; [] for a row that emitted none). Called only when `streams`, after the round's sync (and a
+        SettlingRule's settle), before the drafter is told; the concatenation over a decode is its result's
+        tokens, and a proposed token reaches it only once the rule has kept it."""
 
     def result(self, counts: list[int]) -> tuple[DecodeStats | None, list[dict]]:
         """(batch stats, one dict per row) at the end, from the rows' emitted token counts."""
@@ -296,3 +309,25 @@ class Instruments(Observer):
             values = fields[b][kept[b]]  # [n kept, F], in round then position order
             out.append({name: values[:, i].tolist() for i, name in enumerate(names)})
         return out
+
+
+class Streaming(Instruments):
+    """`Instruments` that also hand every row's verified tokens to `sink(tokens per row)` as soon as their round
+    is verified (a streaming vocoder's session, between LM rounds as a server would run it). The sink's time is
+    its own phase, `time_stream`, outside `time_total`, so LM times stay comparable with a decode that does not
+    stream."""
+
+    streams = True
+
+    def __init__(self, sink: Any, diagnostics: bool = True, track_tv: bool | None = None):
+        super().__init__(diagnostics, track_tv)
+        self.sink = sink
+
+    def emitted(self, tokens: list[list[int]]) -> None:
+        if any(tokens):
+            self.sink(tokens)
+            self.lap("stream")
+
+    def seconds(self, phase: str) -> float:
+        """Seconds spent in `phase` so far (the diagnostics a streaming clock leaves out; read after a sync)."""
+        return self.clock.totals().get(phase, 0.0) if self.clock is not None else 0.0

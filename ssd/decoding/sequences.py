@@ -129,15 +129,27 @@ class Sequences:
         self.done |= ends
         self._window = None
 
+    def since(self, mark: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each row emitted after its count was `mark` [B] (at most `width` tokens): (tokens [B, width],
+        how many [B]), on the device, for a streaming loop to read on the round's sync."""
+        pos = mark.unsqueeze(-1) + torch.arange(width, device=self.device)
+        return self.history.gather(1, pos.clamp(max=self.history.shape[1] - 1)), self.count - mark
+
     def sync(self, *values: torch.Tensor) -> list:
-        """The round's one host sync: [all rows done?, *values], each value a scalar (read as an int) or a
-        [B] tensor (read as a list); raises FloatingPointError after a NaN/inf law."""
+        """The round's one host sync: [all rows done?, *values], each value a scalar (read as an int), a [B]
+        tensor (read as a list) or a [B, W] one (a list of rows); raises FloatingPointError after a NaN/inf law."""
         parts = [self.done.all(), self.bad_law, *values]
         flat = torch.cat([p.reshape(-1).long() for p in parts]).tolist()
         read, at = [], 0
         for p in parts:
             n = p.numel()
-            read.append(flat[at] if p.dim() == 0 else flat[at : at + n])
+            if p.dim() == 0:
+                read.append(flat[at])
+            elif p.dim() == 1:
+                read.append(flat[at : at + n])
+            else:
+                w = n // max(1, p.shape[0])
+                read.append([flat[at + i * w : at + (i + 1) * w] for i in range(p.shape[0])])
             at += n
         done, bad, *rest = read
         if bad:

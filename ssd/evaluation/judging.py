@@ -14,10 +14,13 @@ from ssd.evaluation.items import Item
 log = logging.getLogger(__name__)
 
 
-def judge(m: Any, item: Item, tokens: list[int], finish_reason: str, row: dict, limits: tuple[int, int]
-          ) -> tuple[dict, np.ndarray]:  # fmt: skip
-    """Vocode (timed) and judge one decoded item; returns (record without the LM timing, waveform)."""
+def judge(m: Any, item: Item, tokens: list[int], finish_reason: str, row: dict, limits: tuple[int, int],
+          streaming: bool = False, audio: tuple[np.ndarray, float] | None = None) -> tuple[dict, np.ndarray]:  # fmt: skip
+    """Vocode (timed) and judge one decoded item; returns (record without the LM timing, waveform).
+    streaming: the audio is the vocoder's streamed chunks, concatenated; `audio`: (that waveform, the seconds its
+    synthesis took) when a timed streaming decode already made it."""
     from ssd.audio.speaker import similarity
+    from ssd.evaluation.streaming import streamed_wav
     from ssd.evaluation.wer import utterance_wer
 
     pair = item.pair
@@ -25,15 +28,20 @@ def judge(m: Any, item: Item, tokens: list[int], finish_reason: str, row: dict, 
     # The PCG stress test (perturb): the vocoder hears other tokens than the LM generated.
     vocoded = m.perturb(tokens, item.seed) if m.perturb is not None else tokens
     codes = m.target.codec_tokens(vocoded)
-    start = time.perf_counter()
-    wav = (
-        m.vocoder.vocode(np.asarray(codes, dtype=np.int64), item.vprompt)
-        if codes
-        else np.zeros(0, np.float32)
-    )
-    if m.target.device.type == "cuda":
-        torch.cuda.synchronize(m.target.device)
-    vocoder_time = time.perf_counter() - start
+    if audio is not None:
+        wav, vocoder_time = audio
+    elif streaming:
+        wav, vocoder_time = streamed_wav(m.vocoder, codes, item.vprompt)
+    else:
+        start = time.perf_counter()
+        wav = (
+            m.vocoder.vocode(np.asarray(codes, dtype=np.int64), item.vprompt)
+            if codes
+            else np.zeros(0, np.float32)
+        )
+        if m.target.device.type == "cuda":
+            torch.cuda.synchronize(m.target.device)
+        vocoder_time = time.perf_counter() - start
     hypothesis = m.asr.transcribe(wav, m.vocoder.sample_rate) if wav.size else ""
     scored = utterance_wer(pair.text, hypothesis)
     try:

@@ -9,7 +9,9 @@ A record (one line of `utterances.jsonl`) carries the raw counts needed here:
   decode_time_share (its batched decode's time / the batch's rows), audio_sec, n_tokens, errors, ref_words, wer, sim, target_calls, draft_calls,
   proposed / accepted / overlap_sum / tv_sum (per draft position), rounds, accepted_total,
   and for the toy world wrong_errors / wrong_ref_words and slot_correct {slot: bool}; with a MOS judge
-  (configs/mos/) nmos and mos_<key> per estimate (null where the audio could not be judged).
+  (configs/mos/) nmos and mos_<key> per estimate (null where the audio could not be judged); with
+  eval.streaming the timed records' streaming fields (ssd.evaluation.streaming: first_packet, stall_total,
+  stall_count, stream_rtf, ..., and the paired baseline's baseline_first_packet, baseline_stall_*).
 
 The statistics of the exactness study live here too: a two-sample chi-square homogeneity test on decoded
 tokens, the repeat rate of token sequences, and paired (same utterance) differences between two runs.
@@ -203,6 +205,7 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
         out["speedup_ci"] = list(paired_speedup_ci(paired))
         out["speedup_utterances"] = len(paired)
         out["baseline_lm_time"] = _sum(paired, "baseline_lm_time")
+    out.update(streaming_metrics(records, n_resamples, seed))
     if any("wrong_errors" in r for r in records):
         out["wer_wrong_sentence"] = wrong_sentence_wer(records)
         out["wer_wrong_sentence_ci"] = list(bootstrap_ci(records, wrong_sentence_wer, n_resamples, seed))
@@ -211,6 +214,56 @@ def summarize(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -
         out["slot_accuracy"] = {
             slot: float(np.mean([s[slot] for s in slot_records])) for slot in slot_records[0]
         }
+    return out
+
+
+def median_of(records: Sequence[dict], key: str) -> float:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(np.median(values)) if values else float("nan")
+
+
+def median_paired_difference(records: Sequence[dict], key: str = "first_packet") -> float:
+    """Median over utterances of (own - baseline) `key`, both timed on the same item in the same process."""
+    diffs = [r[key] - r[f"baseline_{key}"] for r in records]
+    return float(np.median(diffs)) if diffs else float("nan")
+
+
+def streaming_metrics(records: Sequence[dict], n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """A streamed run's summary over its timed records (none without eval.streaming): the median first-packet
+    latency with a bootstrap CI; stalls (total seconds, late chunks, utterances with any); streaming RTF (Σ last
+    chunk's ready time / Σ audio); and against the baseline decoded beside each item: the median paired
+    difference in first-packet latency with a bootstrap CI (percentile, utterances resampled), and the baseline's
+    median and stalls on the same items."""
+    streamed = [r for r in records if r.get("first_packet") is not None]
+    if not streamed:
+        return {}
+    out: dict[str, Any] = {
+        "stream_utterances": len(streamed),
+        "first_packet_median": median_of(streamed, "first_packet"),
+        "first_packet_median_ci": list(
+            bootstrap_ci(streamed, partial(median_of, key="first_packet"), n_resamples, seed)
+        ),  # fmt: skip
+        "first_packet_mean": float(np.mean([r["first_packet"] for r in streamed])),
+        "stall_total": _sum(streamed, "stall_total"),
+        "stall_count": int(_sum(streamed, "stall_count")),
+        "stalled_utterances": sum(bool(r["stall_count"]) for r in streamed),
+        "stream_rtf": _ratio(
+            sum(r["chunk_ready"][-1] for r in streamed), sum(sum(r["chunk_sec"]) for r in streamed)
+        ),
+        "chunks_per_utterance": float(np.mean([len(r["chunk_ready"]) for r in streamed])),
+    }
+    paired = [r for r in streamed if r.get("baseline_first_packet") is not None]
+    if paired:
+        out.update({
+            "first_packet_delta_vs_ar": median_paired_difference(paired),
+            "first_packet_delta_vs_ar_ci": list(bootstrap_ci(paired, median_paired_difference, n_resamples, seed)),
+            "first_packet_faster_fraction": float(np.mean([r["first_packet"] < r["baseline_first_packet"]
+                                                           for r in paired])),
+            "baseline_first_packet_median": median_of(paired, "baseline_first_packet"),
+            "baseline_stall_total": _sum(paired, "baseline_stall_total"),
+            "baseline_stall_count": int(_sum(paired, "baseline_stall_count")),
+            "first_packet_pairs": len(paired),
+        })  # fmt: skip
     return out
 
 

@@ -10,9 +10,11 @@
      (CUDA-synchronised, after one warm-up decode) on the first `eval.timed_utts` items: at batch 1 the decode
      itself, in bigger batches the item decoded again alone. A run that has a baseline (the AR target) decodes
      each timed item by the baseline too, right before or after it in the same process: the speedup and its
-     CI come from these pairs (docs/algorithms.md §4.1). Then per item: vocode (timed:
-     E2E-RTF), WER, SIM against the PROMPT audio and NMOS (`ssd.evaluation.judging`); each record is appended
-     to `utterances.jsonl` as soon as its batch is judged.
+     CI come from these pairs (docs/algorithms.md §4.1). With `eval.streaming` the timed decodes (the baseline's
+     too) stream: each round's verified tokens go to the vocoder's chunked session as the LM emits them, and each
+     chunk's ready time is recorded (`ssd.evaluation.streaming`; §4.2). Then per item: vocode (timed:
+     E2E-RTF; streamed in chunks with `eval.streaming`), WER, SIM against the PROMPT audio and NMOS
+     (`ssd.evaluation.judging`); each record is appended to `utterances.jsonl` as soon as its batch is judged.
   3. `metrics.json` from all records (resumed ones included), W&B mirror, a few wavs under `audio/`.
 
 Rerunning in the same run dir resumes: finished utterances are skipped, a half-written last line is
@@ -28,14 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import soundfile as sf
 import torch
 from omegaconf import DictConfig, open_dict
 
 from ssd.decoding.generate import Request
-from ssd.decoding.observe import Instruments
+from ssd.decoding.observe import Instruments, Streaming
 from ssd.decoding.rng import RowRandom
 from ssd.evaluation.items import Item, build_test_list, prepare_item, wrong_sentence_texts
 from ssd.evaluation.judging import judge
@@ -52,12 +55,20 @@ from ssd.evaluation.run_dir import (
 )
 from ssd.evaluation.schema import register_sweep_schema
 from ssd.evaluation.settings import RunSettings
+from ssd.evaluation.streaming import (
+    STREAM_KEYS,
+    StreamRecorder,
+    baseline_fields,
+    check_streaming,
+    streamed_wav,
+)
 from ssd.evaluation.wandb_mirror import log_to_wandb
 from ssd.models.transformer import use_batch_invariant
 
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 16
+WARMUP_STREAM_TOKENS = 80  # a few chunks (25-token hops) for the warm-up of streamed synthesis
 
 # sweep.yaml's schema and resolver, in every process that runs a job (sweep.py imports this module;
 # joblib/submitit workers import it to unpickle the task).
@@ -67,7 +78,7 @@ register_sweep_schema()
 LATENCY_KEYS = ("lm_time", "rtf", "time_prefill", "time_draft", "time_verify", "time_accept", "time_diagnostics",
                 "e2e_rtf", "baseline_lm_time", "speedup")  # fmt: skip
 # Record fields that depend on how the item was timed; every other field is the same at any batch size.
-TIMING_KEYS = (*LATENCY_KEYS, "vocoder_time", "decode_time_share")
+TIMING_KEYS = (*LATENCY_KEYS, "vocoder_time", "decode_time_share", *STREAM_KEYS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,10 +94,10 @@ def lm_prompt(m: EvalModels, items: list[Item]) -> Any:
 
 
 def decode_items(settings: RunSettings, m: EvalModels, items: list[Item], max_tokens: int | None = None,
-                 decoder: Any = None):  # fmt: skip
+                 decoder: Any = None, observer: Instruments | None = None):  # fmt: skip
     """Decode `items` as one batch (ragged prompts, per-row seeds and length limits) with the run's decoder (or
-    `decoder`), instrumented; returns (result, min_len [B], max_len [B]). `max_tokens` caps the length (the
-    warm-up's short decode)."""
+    `decoder`), instrumented (by `observer`, default `Instruments()`); returns (result, min_len [B], max_len
+    [B]). `max_tokens` caps the length (the warm-up's short decode)."""
     prompt = lm_prompt(m, items)
     min_len, max_len = (torch.as_tensor(t, dtype=torch.long).cpu() for t in m.target.length_limits(prompt))
     cap = settings.eval.max_len if max_tokens is None else max_tokens
@@ -94,7 +105,7 @@ def decode_items(settings: RunSettings, m: EvalModels, items: list[Item], max_to
         max_len = max_len.clamp(max=int(cap))
         min_len = torch.minimum(min_len, max_len)
     request = Request(prompt, max_len, min_len, RowRandom([it.seed for it in items], m.target.device))
-    result = (decoder or m.decoder).decode(m.target, request, m.sampling, Instruments())
+    result = (decoder or m.decoder).decode(m.target, request, m.sampling, observer or Instruments())
     return result, min_len.tolist(), max_len.tolist()
 
 
@@ -108,19 +119,44 @@ def batch_invariant_numerics(settings: RunSettings, m: EvalModels) -> bool:
     return bool(wanted)
 
 
-def _timed_decode(settings: RunSettings, m: EvalModels, items: list[Item], decoder: Any = None):
-    """`decode_items` under inference mode, wall-clock timed (CUDA-synchronised); returns (result, limits,
-    seconds)."""
+class Timed(NamedTuple):
+    """A timed decode: its result, (min_len, max_len) per row, LM seconds, and its streaming record (None when
+    not streamed)."""
+
+    result: Any
+    limits: tuple[list[int], list[int]]
+    seconds: float
+    stream: StreamRecorder | None = None
+
+
+def _timed_decode(settings: RunSettings, m: EvalModels, items: list[Item], decoder: Any = None) -> Timed:
+    """`decode_items` under inference mode, wall-clock timed (CUDA-synchronised). With eval.streaming a decode of
+    one item streams: the vocoder session (opened before the clock, as the prompt is built before it) gets each
+    round's verified tokens, and the chunks' ready times run on the same clock; the LM seconds leave the
+    synthesis out."""
+    session = m.vocoder.stream(items[0].vprompt) if settings.eval.streaming and len(items) == 1 else None
+    recorder, observer = None, None
     with torch.inference_mode():
         _sync(m.target.device)
         start = time.perf_counter()
+        if (
+            session is not None
+        ):  # the request's clock leaves out the engine's diagnostics, as the LM time does
+            recorder = StreamRecorder(session, m.target.codec_tokens, m.vocoder.sample_rate,
+                                      lambda: time.perf_counter() - start - observer.seconds("diagnostics"))  # fmt: skip
+            observer = Streaming(recorder.push)
         try:
-            result, min_len, max_len = decode_items(settings, m, items, decoder=decoder)
+            result, min_len, max_len = decode_items(settings, m, items, decoder=decoder, observer=observer)
         except FloatingPointError as err:
             raise FloatingPointError(f"utterance(s) {[it.pair.utt for it in items]}: {err}") from err
         _sync(m.target.device)
-        # The engine's diagnostics (β_t overlaps, TV) are bookkeeping a deployment does not run.
-        return result, (min_len, max_len), time.perf_counter() - start - result.stats.time_diagnostics
+        # The engine's diagnostics (β_t overlaps, TV) are bookkeeping a deployment does not run; the chunks
+        # synthesised between rounds are the vocoder's time.
+        stats = result.stats
+        seconds = time.perf_counter() - start - stats.time_diagnostics - stats.time_stream
+        if recorder is not None:
+            recorder.finish()  # the LM has ended: the rest of the audio, on the same clock
+        return Timed(result, (min_len, max_len), seconds, recorder)
 
 
 def _sync(device: torch.device) -> None:
@@ -140,9 +176,10 @@ class Timing:
         return item.index < self.timed_utts
 
 
-def _baseline_seconds(settings: RunSettings, m: EvalModels, item: Item, timing: Timing) -> float:
+def _baseline_decode(settings: RunSettings, m: EvalModels, item: Item, timing: Timing) -> Timed:
     """One timed batch-1 decode of `item` by the baseline decoder; its tokens must be the baseline run's."""
-    result, _, seconds = _timed_decode(settings, m, [item], m.baseline)
+    timed = _timed_decode(settings, m, [item], m.baseline)
+    result = timed.result
     expected = timing.baseline_tokens.get(item.pair.utt)
     if expected is not None and result.tokens[0] != expected:
         raise RuntimeError(
@@ -150,18 +187,24 @@ def _baseline_seconds(settings: RunSettings, m: EvalModels, item: Item, timing: 
             f"baseline run ({len(result.tokens[0])} vs {len(expected)} tokens): the two runs differ in more "
             "than their decoding setting (models, seeds, numerics); rerun the baseline (delete its run dir)"
         )
-    return seconds
+    return timed
 
 
-def _paired(settings: RunSettings, m: EvalModels, item: Item, timing: Timing, decode: Callable[[], tuple]):
-    """decode() -> (result, limits, seconds), plus the baseline's seconds on `item` (None without a baseline),
-    decoded right before or after it: the order alternates with the item's index, so that neither side always
-    runs first (after the previous item's judges)."""
+def _paired(settings: RunSettings, m: EvalModels, item: Item, timing: Timing, decode: Callable[[], Timed]
+            ) -> tuple[Timed, Timed | None]:  # fmt: skip
+    """decode() and the baseline's timed decode of `item` (None without a baseline), decoded right before or
+    after it: the order alternates with the item's index, so that neither side always runs first (after the
+    previous item's judges)."""
     first = m.baseline is not None and item.index % 2 == 0
-    before = _baseline_seconds(settings, m, item, timing) if first else None
+    before = _baseline_decode(settings, m, item, timing) if first else None
     own = decode()
-    after = _baseline_seconds(settings, m, item, timing) if m.baseline is not None and not first else None
-    return (*own, before if first else after)
+    after = _baseline_decode(settings, m, item, timing) if m.baseline is not None and not first else None
+    return own, before if first else after
+
+
+def _stream_record(own: Timed, baseline: Timed | None) -> dict:
+    """A timed item's streaming fields, and its paired baseline's."""
+    return {**own.stream.fields(), **baseline_fields(baseline.stream.fields() if baseline else None)}
 
 
 def _latency(record: dict, result, seconds: float, baseline_seconds: float | None) -> dict:
@@ -186,26 +229,32 @@ def evaluate_batch(settings: RunSettings, m: EvalModels, items: list[Item], timi
     a bigger batch they are decoded again alone, and their tokens must equal the batched ones. A run with a
     baseline decodes each timed item by the baseline too, right beside it (the speedup). Every record holds
     `decode_time_share` (the batched decode's time / its rows: the throughput numbers)."""
+    streaming = settings.eval.streaming
     alone = len(items) == 1 and timing.timed(items[0])
     if alone:
-        result, (min_lens, max_lens), seconds, paired = _paired(
-            settings, m, items[0], timing, lambda: _timed_decode(settings, m, items)
-        )
+        decoded, paired = _paired(settings, m, items[0], timing, lambda: _timed_decode(settings, m, items))
     else:
-        result, (min_lens, max_lens), seconds = _timed_decode(settings, m, items)
+        decoded, paired = _timed_decode(settings, m, items), None
+    result, (min_lens, max_lens), seconds = decoded.result, decoded.limits, decoded.seconds
     out = []
     for b, item in enumerate(items):
         tokens = result.tokens[b]
-        record, wav = judge(
-            m, item, tokens, result.finish_reason[b], result.rows[b], (min_lens[b], max_lens[b])
-        )
+        # A streamed item is judged on the audio it streamed (its chunks, whatever split they were pushed in).
+        audio = (decoded.stream.wav(), decoded.stream.synthesis_time) if decoded.stream else None
+        record, wav = judge(m, item, tokens, result.finish_reason[b], result.rows[b], (min_lens[b], max_lens[b]),
+                            streaming=streaming, audio=audio)  # fmt: skip
         record.update(dict.fromkeys(LATENCY_KEYS), decode_time_share=seconds / len(items))
+        if streaming:
+            record.update(dict.fromkeys(STREAM_KEYS))
         if alone:
-            record.update(_latency(record, result, seconds, paired))
+            record.update(_latency(record, result, seconds, paired.seconds if paired else None))
+            if streaming:
+                record.update(_stream_record(decoded, paired))
         elif timing.timed(item):
-            own, _, own_seconds, paired = _paired(
+            alone_decode, paired = _paired(
                 settings, m, item, timing, lambda item=item: _timed_decode(settings, m, [item])
             )
+            own, own_seconds = alone_decode.result, alone_decode.seconds
             if own.tokens[0] != tokens:
                 fix = (
                     ""
@@ -217,7 +266,9 @@ def evaluate_batch(settings: RunSettings, m: EvalModels, items: list[Item], timi
                     f"{len(items)} ({len(own.tokens[0])} vs {len(tokens)} tokens): the engine is not "
                     f"batch-invariant here; run with {fix}eval.batch_size=1"
                 )
-            record.update(_latency(record, own, own_seconds, paired))
+            record.update(_latency(record, own, own_seconds, paired.seconds if paired else None))
+            if streaming:
+                record.update(_stream_record(alone_decode, paired))
         out.append((record, wav))
     return out
 
@@ -229,6 +280,10 @@ def _warm_up(settings: RunSettings, m: EvalModels, item: Item) -> None:
         for decoder in (m.decoder, m.baseline):
             if decoder is not None:
                 decode_items(settings, m, [replace(item, seed=0)], max_tokens=WARMUP_TOKENS, decoder=decoder)
+    if settings.eval.streaming:  # the chunked synthesis path too: a few chunks of the prompt's own tokens
+        prompt_codes = np.asarray(item.vprompt.tokens, dtype=np.int64)
+        if prompt_codes.size:
+            streamed_wav(m.vocoder, np.resize(prompt_codes, WARMUP_STREAM_TOKENS), item.vprompt)
 
 
 def effective_batch_size(settings: RunSettings) -> tuple[int, str | None]:
@@ -290,6 +345,8 @@ def _run(settings: RunSettings, models: EvalModels, pairs, run: RunDir, audio_di
         raise ValueError(
             f"{run.results} holds utterances that are not in the test list: {sorted(unknown)[:5]}"
         )
+    if settings.eval.streaming:
+        check_streaming(models.vocoder, models.perturb)
     flag = batch_invariant_numerics(settings, models)
     for model in (models.target, models.draft):
         if isinstance(model, torch.nn.Module):

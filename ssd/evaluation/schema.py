@@ -56,6 +56,9 @@ class EvalConfig:
     # Row-by-row numerics, so batch B equals batch 1 bit for bit; null: on CPU only.
     batch_invariant: bool | None = None
     warmup: bool = True
+    # Timed decodes stream: verified tokens reach the vocoder in chunks as the LM emits them (first-packet latency,
+    # stalls, streaming RTF; docs/algorithms.md §4.2). The judged audio is the streamed audio.
+    streaming: bool = False
     num_audio_samples: int = 4
     bootstrap_resamples: int = 1000
     num_threads: int | None = None

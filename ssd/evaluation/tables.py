@@ -258,6 +258,13 @@ def _throughput(row: pd.Series) -> str:
     return f"{value:.2f}" + ("" if _missing(batch) else f" (B={int(batch)})")
 
 
+def _stalls(row: pd.Series, count: str, total: str) -> str:
+    """'late chunks / seconds of stall': '0 / 0.00'."""
+    if _missing(row.get(count)):
+        return "-"
+    return f"{int(row[count])} / {row[total]:.2f}"
+
+
 def setting_of(row: pd.Series) -> dict[str, Any]:
     """The decoding setting of one table row, {key: plain value} (keys it does not have are left out)."""
     text = row.get("setting_keys")
@@ -344,6 +351,18 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     if "swap_fraction" in ok:  # the stress test: tokens swapped before vocoding, paired vs the AR run
         out["swapped %"] = ok["swap_fraction"].map(lambda v: _fmt(v * 100, 1))
         out["ΔSIM vs AR [95% CI]"] = [with_ci(r, "sim_delta_vs_ar") for _, r in ok.iterrows()]
+    if "first_packet_median" in ok and ok["first_packet_median"].notna().any():  # eval.streaming=true
+        out["first packet ms [95% CI]"] = [
+            with_ci(r, "first_packet_median", 0, 1000) for _, r in ok.iterrows()
+        ]
+        out["Δ first packet vs AR ms [95% CI]"] = [
+            with_ci(r, "first_packet_delta_vs_ar", 0, 1000) for _, r in ok.iterrows()
+        ]
+        out["stalls n / s"] = [_stalls(r, "stall_count", "stall_total") for _, r in ok.iterrows()]
+        out["AR beside: stalls n / s"] = [
+            _stalls(r, "baseline_stall_count", "baseline_stall_total") for _, r in ok.iterrows()
+        ]
+        out["stream RTF"] = ok["stream_rtf"].map(_fmt)
     if "wer_wrong_sentence" in ok:
         out["WER vs wrong text %"] = ok["wer_wrong_sentence"].map(lambda v: _fmt(v * 100, 1))
     if "predicted_speedup" in ok and ok["predicted_speedup"].notna().any():

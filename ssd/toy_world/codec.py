@@ -10,6 +10,9 @@ those tokens keep the speaker's formants, and the toy target then fails on unsee
 Vocoder: a small convolutional decoder maps tokens (with context on both sides) plus the prompt's
 mean log-mel (the voice, as CosyVoice's flow stage takes the prompt mel) to a log-magnitude
 spectrogram; Griffin-Lim turns that into a waveform. Everything is fitted on the toy training split.
+It streams as CosyVoice does (`ToyVocoder.stream`, `ssd.audio.streaming`): the same chunk schedule, the
+decoder rerun on every token so far with the lookahead tokens' frames dropped, and a cache of the last
+frames and their audio crossfaded into the next chunk, as HiFT's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from ssd.audio.features import mel_filterbank, resample
+from ssd.audio.streaming import ChunkedStream, ChunkSchedule, fade_in_out
 from ssd.contracts import VocoderPrompt
 from ssd.files import read_checkpoint
 
@@ -274,6 +278,16 @@ class ToyCodec:
         prompt_wav (at `sample_rate`) sets the voice; without it the training set's average voice is used.
         prompt_tokens are decoded as left context and cut off, as CosyVoice's flow stage does.
         """
+        if len(np.asarray(tokens).reshape(-1)) == 0:
+            return np.zeros(0, dtype=np.float32)
+        voice = self.mean_voice if prompt_wav is None else self.voice_of(prompt_wav, self.sample_rate)
+        return griffin_lim(self.magnitude(tokens, prompt_tokens, voice), self.cfg)
+
+    def magnitude(
+        self, tokens: np.ndarray, prompt_tokens: np.ndarray | None, voice: np.ndarray
+    ) -> torch.Tensor:
+        """|STFT| [n_freq, len(tokens) * frames_per_token] the decoder gives `tokens` after the prompt's tokens
+        (their frames cut off) in the voice `voice` (`voice_of`)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"ToyCodec.decode: tokens must have shape [T], got {tokens.shape}")
@@ -282,15 +296,11 @@ class ToyCodec:
                 f"ToyCodec.decode: token ids must lie in [0, {self.codebook_size}), got "
                 f"[{tokens.min()}, {tokens.max()}] (strip EOS/stop tokens before decoding)"
             )
-        n_new = len(tokens)
-        if n_new == 0:
-            return np.zeros(0, dtype=np.float32)
         n_prompt = 0
         if prompt_tokens is not None and len(prompt_tokens):
             prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64).reshape(-1)
             n_prompt = len(prompt_tokens)
             tokens = np.concatenate([prompt_tokens, tokens])
-        voice = self.mean_voice if prompt_wav is None else self.voice_of(prompt_wav, self.sample_rate)
         with torch.inference_mode():
             log_mag = self.decoder(
                 torch.as_tensor(tokens, dtype=torch.long)[None], torch.from_numpy(np.asarray(voice))[None]
@@ -298,7 +308,7 @@ class ToyCodec:
         magnitude = log_mag[:, n_prompt * self.cfg.frames_per_token :].exp()
         if self.cfg.decoder_target == "log_mel":
             magnitude = torch.clamp(self.mel_to_linear @ magnitude, min=1e-5)
-        return griffin_lim(magnitude, self.cfg)
+        return magnitude
 
     # ---- persistence --------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
@@ -390,19 +400,74 @@ def griffin_lim(magnitude: torch.Tensor, cfg: ToyCodecConfig, momentum: float = 
 
 
 class ToyVocoder:
-    """The toy codec's decoder; the prompt's tokens are left context and its audio sets the voice."""
+    """The toy codec's decoder; the prompt's tokens are left context and its audio sets the voice.
 
-    def __init__(self, codec_dir: str | Path | None) -> None:
+    Streaming (`stream`): CosyVoice's chunk schedule (token_hop_len, pre_lookahead_len, align_prompt:
+    `ssd.audio.streaming.ChunkSchedule`) and HiFT's cache, `cache_frames` spectrogram frames (16 at 100 Hz: the
+    160 ms of HiFT's 8 mel frames at 50 Hz) and their audio, crossfaded under a Hamming window."""
+
+    def __init__(
+        self,
+        codec_dir: str | Path | None,
+        token_hop_len: int = 25,
+        pre_lookahead_len: int = 3,
+        align_prompt: bool = True,
+        cache_frames: int = 16,
+    ) -> None:
         if codec_dir is None or not Path(codec_dir).is_dir():
             raise FileNotFoundError(
                 f"vocoder.codec_dir={codec_dir}: no toy codec there; build the toy world "
                 "(python scripts/build_toy_world.py) or set vocoder.codec_dir"
             )
         self.codec = ToyCodec.load(codec_dir)
+        if not 1 <= cache_frames <= token_hop_len * self.codec.cfg.frames_per_token:
+            raise ValueError(
+                f"vocoder.cache_frames={cache_frames} must lie in [1, token_hop_len x frames per token = "
+                f"{token_hop_len * self.codec.cfg.frames_per_token}] (a chunk holds the frames it caches)"
+            )
         self.sample_rate = self.codec.sample_rate
         # The codec's vocabulary, which the runner's pairing check compares with the tokenizer and target.
         self.codebook_size, self.token_rate = self.codec.codebook_size, self.codec.token_rate
+        self.schedule = ChunkSchedule(token_hop_len, pre_lookahead_len, align_prompt)
+        self.cache_frames = int(cache_frames)
 
     def vocode(self, tokens: np.ndarray, prompt: VocoderPrompt) -> np.ndarray:
         wav = resample(prompt.wav, prompt.sample_rate, self.sample_rate)
         return self.codec.decode(np.asarray(tokens, dtype=np.int64), prompt.tokens, wav)
+
+    def stream(self, prompt: VocoderPrompt) -> ToyStream:
+        wav = resample(prompt.wav, prompt.sample_rate, self.sample_rate)
+        return ToyStream(self, prompt.tokens, self.codec.voice_of(wav, self.sample_rate))
+
+
+class ToyStream(ChunkedStream):
+    """One utterance streamed by the toy vocoder: each call reruns the decoder on every token so far (the prompt's
+    as left context), keeps the frames of tokens token_offset .. end (end: all but the lookahead, or all when
+    finalizing), prepends the cached frames, runs Griffin-Lim, crossfades the cached audio into the start and
+    holds back the new tail, as upstream's HiFT cache."""
+
+    def __init__(self, vocoder: ToyVocoder, prompt_tokens: np.ndarray, voice: np.ndarray) -> None:
+        prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64).reshape(-1)
+        super().__init__(vocoder.schedule, len(prompt_tokens))
+        self.codec, self.prompt, self.voice = vocoder.codec, prompt_tokens, voice
+        self.cache_frames = vocoder.cache_frames
+        self.overlap = self.cache_frames * self.codec.cfg.hop_length  # samples of the cached frames
+        self.window = np.hamming(2 * self.overlap).astype(np.float32)
+        self.cache: tuple[torch.Tensor, np.ndarray] | None = None  # (frames, their audio)
+
+    def _synthesise(self, tokens: np.ndarray, token_offset: int, finalize: bool) -> np.ndarray:
+        fpt = self.codec.cfg.frames_per_token
+        end = len(tokens) if finalize else len(tokens) - self.schedule.pre_lookahead_len
+        frames = self.codec.magnitude(tokens, self.prompt, self.voice)[:, token_offset * fpt : end * fpt]
+        if self.cache is not None:
+            frames = torch.cat([self.cache[0], frames], 1)
+        wav = griffin_lim(frames, self.codec.cfg)
+        if self.cache is not None:
+            wav = fade_in_out(wav, self.cache[1], self.window)
+        if finalize:
+            return wav
+        self.cache = (frames[:, -self.cache_frames :], wav[-self.overlap :])
+        return wav[: -self.overlap]
+
+    def _close(self) -> None:
+        self.cache = None
