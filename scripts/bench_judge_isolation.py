@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     sr = m.vocoder.sample_rate
     with runner.single_threaded_blas():
         runner._warm_up(settings, m, items[0])
-        decoded = [runner._timed_decode(settings, m, [it])[0].tokens[0] for it in items]
+        decoded = [runner._timed_decode(settings, m, [it]).result.tokens[0] for it in items]
         wavs = [m.vocoder.vocode(np.asarray(m.target.codec_tokens(t), dtype=np.int64), it.vprompt)
                 for t, it in zip(decoded, items)]  # fmt: skip
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # the interleaved back-to-back decodes too, which the paired ratio alone would hide).
     # (One pass more, dropped: the first passes after loading run slower.)
     first = np.array(
-        [[runner._timed_decode(settings, m, [item])[2] for item in items] for _ in range(args.reps + 1)]
+        [[runner._timed_decode(settings, m, [item]).seconds for item in items] for _ in range(args.reps + 1)]
     )[1:]
     decode_s = {name: np.zeros((args.reps, len(items))) for name in conditions}
     judge_s = {name: [] for name in conditions}
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     call(wav, item)
                     judge_s[name].append(time.perf_counter() - start)
-                    _, _, seconds = runner._timed_decode(settings, m, [item])
+                    seconds = runner._timed_decode(settings, m, [item]).seconds
                 decode_s[name][rep, i] = seconds
         print(f"repetition {rep + 1}/{args.reps} done", flush=True)
 
