@@ -8,11 +8,12 @@ experiment driver and the toy-world builder both turn config values into command
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 CONFIG_MODULE = "ssd.configs"
 
@@ -36,7 +37,37 @@ def compose(config_name: str, overrides: Sequence[str] = (), with_hydra: bool = 
     register()
     GlobalHydra.instance().clear()  # a caller inside a Hydra app (the toy world's stages) has one already
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=with_hydra)
+        cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
+        check_choices(cfg, cfg.hydra.runtime.choices)
+    if not with_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
+def check_choices(cfg: DictConfig, choices: Mapping[str, str | None]) -> None:
+    """Refuse a config group option that does not exist (`asr=whispr`): Hydra skips a missing option of an
+    `optional` defaults entry without a word. A group's default named after the target (`asr: ${target}`) is
+    left to the run's own check, which says which group to choose. Needs an initialized Hydra (inside an app
+    or `compose`); a no-op elsewhere."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return
+    loader = GlobalHydra.instance().config_loader()
+    target = OmegaConf.select(cfg, "target.name", default=None)
+    problems = []
+    for group, option in choices.items():
+        if group.startswith("hydra") or option is None or option == target:
+            continue
+        valid = loader.get_group_options(group)
+        if valid and option not in valid:
+            close = difflib.get_close_matches(option, valid, n=1)
+            guess = f" did you mean {group}={close[0]}?" if close else ""
+            problems.append(f"{group}={option}: no such option (no configs/{group}/{option}.yaml);{guess} "
+                            f"choose one of {valid}")  # fmt: skip
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def group_options(group: str) -> list[str]:
