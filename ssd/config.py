@@ -11,8 +11,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 CONFIG_MODULE = "ssd.configs"
@@ -68,6 +70,41 @@ def check_choices(cfg: DictConfig, choices: Mapping[str, str | None]) -> None:
                             f"choose one of {valid}")  # fmt: skip
     if problems:
         raise ValueError("; ".join(problems))
+
+
+class NoLinkedHydraFiles(Callback):
+    """Hydra callback: Hydra writes its own files into a run dir (`.hydra/*.yaml`, the job's log, a sweep's
+    multirun.yaml) before any ssd code runs, with no care for links; refuse a run or sweep dir where one of
+    them would be written through a symbolic link (SystemExit: Hydra turns a callback's Exception into a
+    warning). A multirun checks the job dirs already there (a rerun's)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._refuse(config, [Path(config.hydra.run.dir)])
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from ssd.files import refuse_links
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = [d for d in sweep_dir.iterdir() if d.is_dir()] if sweep_dir.is_dir() else []
+        try:
+            refuse_links(sweep_dir / "multirun.yaml")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        self._refuse(config, jobs)
+
+    @staticmethod
+    def _refuse(config: DictConfig, run_dirs: list[Path]) -> None:
+        from ssd.files import refuse_links
+
+        subdir = config.hydra.output_subdir
+        names = [f"{config.hydra.job.name}.log"]
+        names += [f"{subdir}/{n}" for n in ("config.yaml", "hydra.yaml", "overrides.yaml")] if subdir else []
+        try:
+            for run_dir in run_dirs:
+                for name in names:
+                    refuse_links(run_dir / name)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
 
 
 def group_options(group: str) -> list[str]:

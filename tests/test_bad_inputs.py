@@ -982,3 +982,19 @@ def test_a_linked_audio_dir_or_records_file_is_never_written_through(micro_world
     with pytest.raises(LinkRefused, match=rf"{planted} is a symbolic link"):
         evaluate(_cfg(micro_world), run)
     assert (list(outside.iterdir()) == []) if outside.is_dir() else outside.read_text() == USER_TEXT
+
+
+@pytest.mark.parametrize(
+    "entry, bad", [("sweep.py", "eval.n_utts=0"), ("train_draft.py", "optim.schedule=nope")]
+)
+def test_hydras_own_files_are_never_written_through_a_link(entry, bad, tmp_path):
+    """Hydra writes .hydra/*.yaml before any ssd code runs; a linked .hydra stops the run first."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    run.mkdir()
+    (run / ".hydra").symlink_to(outside)
+    out = subprocess.run([sys.executable, str(REPO / entry), "toy_world=micro", f"paths.data_dir={tmp_path / 'data'}",
+                          "logger=none", bad, f"hydra.run.dir={run}"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode != 0 and f"{run / '.hydra'} is a symbolic link" in out.stdout + out.stderr
+    assert list(outside.iterdir()) == [] and not (tmp_path / "data").exists()
