@@ -35,6 +35,7 @@ from ssd.decoding.pcg import Groups, PCGRule  # noqa: E402
 from ssd.decoding.rng import RowRandom  # noqa: E402
 from ssd.decoding.sampling import distribution  # noqa: E402
 from ssd.decoding.sequences import UNSETTLED  # noqa: E402
+from ssd.files import write_atomic  # noqa: E402
 
 
 def rules(vocab: int, group_sizes: list[int]) -> list[tuple[str, object]]:
@@ -152,8 +153,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    (args.out / "results.md").write_text(markdown(results))
+    write_atomic(args.out / "results.json", json.dumps(results, indent=2))
+    write_atomic(args.out / "results.md", markdown(results))
     print(markdown(results))
     print(f"wrote {args.out}/results.json, results.md")
     return results

@@ -36,6 +36,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the checkout this script is in, not an installed ssd
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -52,6 +55,7 @@ from ssd.drafters.heads import HeadsDrafter  # noqa: E402
 from ssd.drafters.layers import build_draft  # noqa: E402
 from ssd.evaluation.metrics import paired_speedup, paired_speedup_ci  # noqa: E402
 from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
+from ssd.files import save_figure, write_atomic  # noqa: E402
 from ssd.models.backbone_config import BackboneConfig  # noqa: E402
 from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
 from ssd.models.export import hf_causal_lm  # noqa: E402
@@ -399,7 +403,7 @@ def bench_shape(name: str, args, log=print) -> dict:
     res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
 
     log(f"[{name}] AR: this engine vs HF generate")
-    engine_ar = decode_seconds(lambda: decode_ar(target, Request(prompt, tokens, 0, _generator(device)), LAW,
+    engine_ar = decode_seconds(lambda: decode_ar(target, Request(prompt, tokens, tokens, _generator(device)), LAW,
                                                  Instruments(diagnostics=False)))  # fmt: skip
     hf = hf_draft = None
     if args.no_hf:
@@ -430,7 +434,7 @@ def bench_shape(name: str, args, log=print) -> dict:
             verifier = target if rows is None else PaddedVerify(target, rows)
             timed = paired(engine_ar, decode_seconds(
                 lambda rule=rule, k=k, verifier=verifier: decode_speculative(
-                    verifier, draft, Request(prompt, tokens, 0, _generator(device)), LAW, rule, k,
+                    verifier, draft, Request(prompt, tokens, tokens, _generator(device)), LAW, rule, k,
                     Instruments(diagnostics=False))), repeats)  # fmt: skip
             result = timed["last"]
             alpha = result.stats.acceptance_rate
@@ -459,9 +463,9 @@ def bench_shape(name: str, args, log=print) -> dict:
         batch_prompt = make_prompt(shape, args.context, b)
         row = {"batch": b}
         ar_b, _ = median_run(decode_seconds(lambda p=batch_prompt: decode_ar(
-            target, Request(p, tokens, 0, _generator(device)), LAW, Instruments(diagnostics=False))), repeats)  # fmt: skip
+            target, Request(p, tokens, tokens, _generator(device)), LAW, Instruments(diagnostics=False))), repeats)  # fmt: skip
         sp_b, _ = median_run(decode_seconds(lambda p=batch_prompt: decode_speculative(
-            target, draft, Request(p, tokens, 0, _generator(device)), LAW, SyntheticRule(max(alphas)), k_batch,
+            target, draft, Request(p, tokens, tokens, _generator(device)), LAW, SyntheticRule(max(alphas)), k_batch,
             Instruments(diagnostics=False))), repeats)  # fmt: skip
         row |= {"engine_ar_tokens_per_s": b * tokens / ar_b,
                 f"engine_speculative_tokens_per_s (SYNTHETIC α={max(alphas)}, L_d={k_batch})": b * tokens / sp_b}  # fmt: skip
@@ -485,7 +489,7 @@ def drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens:
     for label, drafter in families.items():
         for alpha in alphas:
             timed = paired(engine_ar, decode_seconds(lambda drafter=drafter, alpha=alpha: decode_speculative(
-                target, drafter, Request(prompt, tokens, 0, _generator(device)), LAW, SyntheticRule(alpha), k,
+                target, drafter, Request(prompt, tokens, tokens, _generator(device)), LAW, SyntheticRule(alpha), k,
                 Instruments(diagnostics=False))), args.repeats)  # fmt: skip
             stats = timed["last"].stats
             d = stats.time_draft / max(1, stats.rounds) / t_cost[1]
@@ -605,7 +609,7 @@ def figure(results: dict, path: Path) -> None:
         )
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -677,8 +681,8 @@ def main(argv=None) -> dict:
     for name in names:
         results["shapes"].append(bench_shape(name, args, log=lambda m: print(m, flush=True)))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (args.out / "results.md").write_text(markdown(results))
+    write_atomic(args.out / "results.json", json.dumps(results, indent=2, default=str))
+    write_atomic(args.out / "results.md", markdown(results))
     figure(results, args.out / "speedup.png")
     print(markdown(results))
     print(f"wrote {args.out}/results.json, results.md, speedup.png")

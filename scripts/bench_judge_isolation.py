@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from ssd.evaluation.provenance import git_description, machine_description  # noqa: E402
+from ssd.files import write_atomic  # noqa: E402
 
 
 def spinning_dnsmos(cfg):
@@ -158,14 +159,15 @@ def main(argv: list[str] | None = None) -> int:
                      "vs_first_pass": float(decode_s[name].sum() / first.sum()),
                      "judge_ms_per_call": 1e3 * float(np.mean(judge_s[name]))})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
+    write_atomic(args.out / "results.json", json.dumps(
         {"items": len(items), "reps": args.reps, "overrides": args.overrides, "rows": rows,
          "decode_seconds": {name: decode_s[name].tolist() for name in names}}, indent=2) + "\n")  # fmt: skip
-    (args.out / "command.txt").write_text(
-        f"python scripts/bench_judge_isolation.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+    write_atomic(
+        args.out / "command.txt",
+        f"python scripts/bench_judge_isolation.py {' '.join(sys.argv[1:] if argv is None else argv)}\n",
     )
-    (args.out / "machine.txt").write_text(machine_description())
-    (args.out / "git_commit.txt").write_text(git_description(REPO))
+    write_atomic(args.out / "machine.txt", machine_description())
+    write_atomic(args.out / "git_commit.txt", git_description(REPO))
     lines = [
         "# The LM decode after each judge, paired with the back-to-back decode of the same item",
         "",
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [f"| {r['condition']} | {fmt(r['ratio_median'])} | {fmt(r['ratio_mean'])} | {r['decode_s_total']:.2f} s "
               f"| {r['vs_first_pass']:.3f} | {r['judge_ms_per_call']:.1f} ms |" for r in rows]  # fmt: skip
-    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    write_atomic(args.out / "summary.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -22,6 +22,7 @@ from bench_decoding import git_commit, machine  # noqa: E402
 
 from ssd.evaluation.metrics import paired_speedup, paired_speedup_ci  # noqa: E402
 from ssd.evaluation.run_dir import METRICS_FILE, RESULTS_FILE, read_records  # noqa: E402
+from ssd.files import write_atomic  # noqa: E402
 
 
 def run_repeat(out: Path, setting: list[str], extra: list[str]) -> Path:
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
                "git": git_commit(), "machine": machine("cpu"), "setting": setting, "repeats": repeats,
                "cis_overlap": overlap}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_atomic(args.out / "results.json", json.dumps(results, indent=2))
     lines = [f"# Paired timing: how many timed utterances a speedup needs\n\n`{results['command']}`\n\n"
              f"{results['machine']}; git {results['git']}. Setting: `{' '.join(setting)}`, each repeat a fresh "
              "process timing every test item beside the AR target (docs/algorithms.md §4).\n",
@@ -85,7 +86,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['run']} | {r['timed']} | {r['speedup']:.3f} [{r['speedup_ci'][0]:.3f}, "
                      f"{r['speedup_ci'][1]:.3f}] | {r['acceptance_rate']:.3f} | {r['baseline_lm_time']:.1f} | {widths} |")  # fmt: skip
     lines.append(f"\nThe repeats' CIs {'overlap' if overlap else 'do NOT overlap'}.")
-    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    write_atomic(args.out / "summary.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return results
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from ssd.evaluation.provenance import git_description, machine_description  # noqa: E402
 from ssd.evaluation.run_dir import BASELINES_DIR, RESULTS_FILE, read_records  # noqa: E402
+from ssd.files import write_atomic  # noqa: E402
 
 COMPARED = ("wer", "sim", "acceptance_rate")  # metrics.json keys that batching must leave unchanged
 
@@ -121,13 +122,14 @@ def main(argv=None) -> int:
               f"wall_s_batch{args.batch}": round(walls[args.batch], 1),
               "speedup": round(walls[1] / walls[args.batch], 2), "all_identical": identical,
               "time_split": {f"batch{b}": split for b, split in splits.items()}, "jobs": jobs}  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    write_atomic(args.out / "results.json", json.dumps(result, indent=1))
     if not args.report:
-        (args.out / "command.txt").write_text(
-            f"python scripts/bench_sweep.py {' '.join(sys.argv[1:])}\n" + "\n".join(commands) + "\n"
+        write_atomic(
+            args.out / "command.txt",
+            f"python scripts/bench_sweep.py {' '.join(sys.argv[1:])}\n" + "\n".join(commands) + "\n",
         )
-        (args.out / "machine.txt").write_text(machine_description())
-        (args.out / "git_commit.txt").write_text(git_description(REPO))
+        write_atomic(args.out / "machine.txt", machine_description())
+        write_atomic(args.out / "git_commit.txt", git_description(REPO))
 
     def split_row(label: str, key: str) -> str:
         return f"| {label} | " + " | ".join(f"{splits[b][key]:.1f} s" for b in (1, args.batch)) + " |"
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
         *rows,
         "",
     ]
-    (args.out / "summary.md").write_text("\n".join(summary))
+    write_atomic(args.out / "summary.md", "\n".join(summary))
     print("\n".join(summary))
     return 0 if identical else 1
 

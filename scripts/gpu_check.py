@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the checkout this script is in, not an installed ssd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decoding as bench  # noqa: E402
 
@@ -39,6 +42,7 @@ from ssd.decoding.generate import Request, decode_ar, decode_speculative  # noqa
 from ssd.decoding.observe import Instruments  # noqa: E402
 from ssd.decoding.sampling import SamplingConfig  # noqa: E402
 from ssd.evaluation.tables import expected_tokens_per_round  # noqa: E402
+from ssd.files import write_atomic  # noqa: E402
 
 DEFAULT_OUT = bench.REPO / "experiments" / "results" / "gpu_engine"
 # Share of the budget each stage may use (the rest is slack for model building and compilation).
@@ -119,14 +123,14 @@ def exactness(device: str, rows: int) -> dict:
     target, draft = bench.build_models(EXACTNESS_SHAPE, device, torch.float32, seed=3, head_std=0.25)
     prompt = bench.make_prompt(EXACTNESS_SHAPE, 8, rows)
     law = SamplingConfig(nucleus="cosyvoice", top_k=25, top_p=0.9, ras_window=10, ras_tau=0.1)
-    ar = decode_ar(target, Request(prompt, 3, 0, bench._generator(device, 1)), law).tokens
+    ar = decode_ar(target, Request(prompt, 3, 3, bench._generator(device, 1)), law).tokens
     out = {"rows": rows, "law": repr(law)}
     for name, rule, must_pass in (
         ("exact", ExactRule(), True),
         ("negative control β=1", ToleranceRule(1.0), False),
     ):
         spec = decode_speculative(
-            target, draft, Request(prompt, 3, 0, bench._generator(device, 2)), law, rule, 2
+            target, draft, Request(prompt, 3, 3, bench._generator(device, 2)), law, rule, 2
         ).tokens
         p, dof = chi_square_same_law(ar, spec)
         out[name] = {"p_value": p, "dof": dof, "ok": (p >= P_REJECT) == must_pass}
@@ -157,7 +161,9 @@ def eager_reference(stage: Stage, args, shape: bench.Shape, targets: dict) -> di
         reference[dtype_name] = {"blocks": blocks, "logits": {k: extend_logits(target, prompt, b, room)
                                                              for k, b in blocks.items()}}  # fmt: skip
         if dtype_name == "float32":
-            reference[dtype_name]["greedy"] = decode_ar(target, Request(prompt, args.tokens), GREEDY).tokens
+            reference[dtype_name]["greedy"] = decode_ar(
+                target, Request(prompt, args.tokens, args.tokens), GREEDY
+            ).tokens
             if not args.no_hf:
                 diff = bench.hf_logits_match(target, bench.hf_causal_lm(target), prompt)
                 r["checks"]["same weights as HF (float32 max |Δ logit|)"] = {"value": diff, "ok": diff < 1e-3}
@@ -187,7 +193,9 @@ def compiled_checks(stage: Stage, args, shape: bench.Shape, targets: dict, refer
             r["checks"][f"compiled == eager {_call_name(k)} logits, {dtype_name} (rel. max |Δ|)"] = {
                 "value": rel, "ok": rel <= TOLERANCE[dtype_name]}  # fmt: skip
         if "greedy" in ref:
-            same = decode_ar(target, Request(prompt, args.tokens), GREEDY).tokens == ref["greedy"]
+            same = (
+                decode_ar(target, Request(prompt, args.tokens, args.tokens), GREEDY).tokens == ref["greedy"]
+            )
             r["checks"][f"greedy tokens compiled == eager ({dtype_name})"] = {"value": same, "ok": same}
         costs = bench.step_costs(
             target, prompt, blocks_of(args, dtype_name), args.device, 5 * args.repeats, room
@@ -220,7 +228,9 @@ def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None
     r, device, tokens = stage.report, args.device, args.tokens
     prompt = bench.make_prompt(shape, args.context)
     engine_ar = bench.decode_seconds(
-        lambda: decode_ar(target, Request(prompt, tokens, 0, bench._generator(device)), bench.LAW, _quiet())
+        lambda: decode_ar(
+            target, Request(prompt, tokens, tokens, bench._generator(device)), bench.LAW, _quiet()
+        )
     )
     ar_s, _ = bench.median_run(engine_ar, args.repeats)
     r["engine AR tokens/s"] = tokens / ar_s
@@ -241,7 +251,7 @@ def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None
                 continue
             timed = bench.paired(engine_ar, bench.decode_seconds(
                 lambda alpha=alpha, k=k: decode_speculative(
-                    target, draft, Request(prompt, tokens, 0, bench._generator(device)), bench.LAW,
+                    target, draft, Request(prompt, tokens, tokens, bench._generator(device)), bench.LAW,
                     SyntheticRule(alpha), k, _quiet())), args.repeats)  # fmt: skip
             a, (lo, hi) = timed["last"].stats.acceptance_rate, timed["speedup_ci"]
             predicted = expected_tokens_per_round(a, k) / (k * c + t_cost[k + 1] / t_cost[1])
@@ -260,7 +270,7 @@ def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         prompt = bench.make_prompt(shape, args.context, b)
 
         def request(p=prompt):
-            return Request(p, args.tokens, 0, bench._generator(args.device))
+            return Request(p, args.tokens, args.tokens, bench._generator(args.device))
 
         ar_s, _ = bench.median_run(
             bench.decode_seconds(lambda: decode_ar(target, request(), bench.LAW, _quiet())), args.repeats
@@ -291,7 +301,7 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                result = decode_speculative(target, draft, Request(prompt, args.sync_tokens, 0,
+                result = decode_speculative(target, draft, Request(prompt, args.sync_tokens, args.sync_tokens,
                                                                    bench._generator(args.device)),
                                             bench.LAW, ExactRule(), 3, _quiet())  # fmt: skip
         finally:
@@ -451,8 +461,8 @@ def main(argv=None) -> int:
     failed = [n for n, c in all_checks(report).items() if not c["ok"]]
     report["failed_checks"] = failed
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "summary.md").write_text(summary_md(report))
+    write_atomic(args.out / "results.json", json.dumps(report, indent=2, default=str))
+    write_atomic(args.out / "summary.md", summary_md(report))
     print(summary_md(report))
     print(f"wrote {args.out}/results.json and summary.md ({report['seconds']:.0f} s)")
     if failed:

@@ -182,15 +182,15 @@ def test_greedy_at_temperature_one_does_not_claim_tv_zero():
     assert ExactRule.preserves_target_law and not ToleranceRule(0.4).preserves_target_law
     assert ToleranceRule(0.0).preserves_target_law
     target, draft = _models()
-    result = speculative(target, draft, PROMPTS, SamplingConfig(), GreedyRule(), 3, 20, 0, RowRandom(SEEDS))
+    result = speculative(target, draft, PROMPTS, SamplingConfig(), GreedyRule(), 3, 20, 20, RowRandom(SEEDS))
     tv = result.stats.tv_per_position
     assert all(t > 0.05 for t in tv) and sum(tv) / len(tv) > 0.15, tv
     # Without diagnostics the TV is missing, never 0.
-    quiet = speculative(target, draft, PROMPTS, SamplingConfig(), GreedyRule(), 3, 20, 0, RowRandom(SEEDS),
+    quiet = speculative(target, draft, PROMPTS, SamplingConfig(), GreedyRule(), 3, 20, 20, RowRandom(SEEDS),
                         Instruments(diagnostics=False))  # fmt: skip
     assert quiet.stats.tv_sum is None and all(t != t for t in quiet.stats.tv_per_position)  # NaN
     # A rule that preserves q reports TV 0 (known by construction, not computed).
-    exact = speculative(target, draft, PROMPTS, SamplingConfig(), ExactRule(), 3, 20, 0, RowRandom(SEEDS))
+    exact = speculative(target, draft, PROMPTS, SamplingConfig(), ExactRule(), 3, 20, 20, RowRandom(SEEDS))
     assert exact.stats.tv_sum == [0.0, 0.0, 0.0]
 
 

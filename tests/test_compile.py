@@ -251,7 +251,7 @@ def test_a_speculative_round_reads_the_device_once_on_either_cache_path(tiny_cos
 
     def reads_and_rounds(n):
         with counter_type() as counter:
-            result = decode_speculative(target, draft, Request(prompt, n, 0, RowRandom([3, 4])), law, ExactRule(), 3,
+            result = decode_speculative(target, draft, Request(prompt, n, n, RowRandom([3, 4])), law, ExactRule(), 3,
                                         Instruments(diagnostics=False))  # fmt: skip
         return counter.total, result.stats.rounds, counter.calls
 

@@ -49,6 +49,14 @@ def test_every_sweep_option_composes_and_its_targets_take_their_keys(group, tmp_
         cfg.output_dir = str(tmp_path)  # Hydra's run dir, unset outside a run
         OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
         assert _check_targets(cfg) >= 4, option  # the target, a rule or draft, the judges at least
+        if (
+            cfg.eval.language is None
+        ):  # LibriTTS beside the toy target: its grammar judge needs the toy language
+            with pytest.raises(
+                ValueError, match=r"asr.vocabulary_mode=grammar needs the language's words.*null"
+            ):
+                validate_sweep_config(cfg)
+            cfg.asr.vocabulary_mode = None
         validate_sweep_config(cfg)  # every target brings its codec and judges
 
 

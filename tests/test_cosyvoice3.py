@@ -300,7 +300,11 @@ def test_checkpoints_are_read_without_code_execution(tiny_cosyvoice3_dir, tmp_pa
     state = torch.load(evil / "llm.pt", weights_only=True)
     state["payload"] = _RunsCodeWhenUnpickled()
     torch.save(state, evil / "llm.pt")
-    with pytest.raises(ValueError, match=r"llm.pt \(\d+ bytes\) is not a readable CosyVoice 3 llm.pt"):
+    with pytest.raises(
+        ValueError,
+        match=r"llm.pt was not loaded: a CosyVoice 3 llm.pt holds tensors and plain data "
+        r"only, and this file holds objects whose unpickling would run code",
+    ):
         CosyVoice3LM.from_dir(evil)
 
 

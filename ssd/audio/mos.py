@@ -190,10 +190,12 @@ class UTMOS:
             )
         import torch
 
+        from ssd.files import read_checkpoint
+
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # a pickle that is not a plain state dict, or not a torch file at all
-            raise ValueError(f"UTMOS checkpoint={path} is not a torch state dict file ({err})") from err
+            state = read_checkpoint(path, "UTMOS state dict")
+        except ValueError as err:  # a pickle that is not a plain state dict, or not a torch file at all
+            raise ValueError(f"UTMOS checkpoint={path} is not a torch state dict file: {err}") from err
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -105,9 +105,10 @@ class GridLanguage:
         ]
 
     def normalize(self, text: str) -> list[str]:
-        """Lowercase words without punctuation, digits spelled out (ASR often writes '7' for 'seven')."""
+        """Lowercase words without punctuation, digits spelled out (ASR often writes '7' for 'seven'); letters
+        of any script are kept ('café' stays 'café', not 'caf')."""
         text = re.sub(r"\d", lambda m: f" {_DIGIT_WORDS[int(m.group())]} ", text.lower())
-        return re.findall(r"[a-z']+", text)
+        return re.findall(r"(?:[^\W\d_]|')+", text)
 
     def parse(self, text: str) -> GridSentence:
         """The sentence a well-formed text spells; raises ValueError naming the first slot that does not fit."""

@@ -62,6 +62,7 @@ _COLUMN_DTYPES = {
     "prompt_text": str,
     "prompt_wav": str,
     "prompt_duration": float,
+    "prompt_audio": str,
 }  # fmt: skip  (ids like "0019" must stay strings)
 _MAX_LISTED = 20  # problem files named in one error message
 
@@ -72,6 +73,11 @@ class ScanResult:
 
     manifest: pd.DataFrame
     corrupt: list[str] = field(default_factory=list)
+
+
+def speakable(text: str) -> bool:
+    """Whether `text` has a word to say: a letter or a digit of any script (punctuation alone has none)."""
+    return any(ch.isalnum() for ch in text)
 
 
 def _listing(problems: list[str]) -> str:
@@ -110,7 +116,8 @@ def scan_libritts(
 ) -> ScanResult:
     """Scan a LibriTTS-layout tree into a manifest; durations come from soundfile headers (no audio read).
 
-    Missing or empty transcripts and misplaced files raise one ValueError naming every offending file.
+    Missing or empty transcripts, transcripts with no speakable word (punctuation only) and misplaced files
+    raise one ValueError naming every offending file.
     Unreadable or empty audio raises too, unless `skip_corrupt`: then those files are left out and listed
     in `ScanResult.corrupt` (bulk preparation should not die on one bad file in 350k).
     """
@@ -136,6 +143,11 @@ def scan_libritts(
         text = transcript.read_text(encoding="utf-8").strip()
         if not text:
             layout_problems.append(f"{transcript}: transcript is empty")
+            continue
+        if not speakable(text):
+            layout_problems.append(
+                f"{transcript}: transcript {text[:40]!r} has no speakable word (no letter or digit)"
+            )
             continue
         try:
             info = sf.info(str(wav))
@@ -164,18 +176,17 @@ def scan_libritts(
 
 
 def save_table(table: pd.DataFrame, path: str | Path) -> Path:
-    """Write a manifest or pair list as JSONL (`.jsonl`) or CSV (`.csv`)."""
+    """Write a manifest or pair list as JSONL (`.jsonl`) or CSV (`.csv`), atomically (`ssd.files.write_atomic`)."""
+    from ssd.files import write_atomic
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".jsonl":
-        with path.open("w", encoding="utf-8") as out:
-            for record in table.to_dict(orient="records"):
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in table.to_dict(orient="records"))
     elif path.suffix == ".csv":
-        table.to_csv(path, index=False)
+        text = table.to_csv(index=False)
     else:
         raise ValueError(f"{path}: unsupported table format '{path.suffix}' (use .jsonl or .csv)")
-    return path
+    return write_atomic(path, text)
 
 
 def load_table(path: str | Path) -> pd.DataFrame:

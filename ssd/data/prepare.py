@@ -11,15 +11,14 @@ Output directory::
     shard-00000.parquet   columns SHARD_COLUMNS; utterances that failed to decode listed in its metadata
     summary.json          the PrepareReport of the last run
 
-Resumable: a shard is written to `<name>.tmp` and renamed when complete, so an existing shard is
-finished and skipped; a leftover `.tmp` (interrupted run) is redone.
+Resumable: a shard is written atomically (`ssd.files.write_atomic`: a temp file renamed when complete), so
+an existing shard is finished and skipped, and an interrupted one is redone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,6 +37,7 @@ import pyarrow.parquet as pq
 from ssd.audio.features import load_audio
 from ssd.contracts import SpeechTokenizer
 from ssd.data.libritts import save_table, scan_libritts
+from ssd.files import write_atomic
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -154,9 +154,7 @@ def write_shard(path: Path, columns: dict[str, list], failed: list[str]) -> tupl
     """One shard (columns SHARD_COLUMNS; `failed`: the utterances left out, in its metadata), written to a
     temporary name and renamed when complete; returns (rows, speech tokens, failures)."""
     table = pa.table(columns, schema=SHARD_SCHEMA).replace_schema_metadata({FAILED_KEY: json.dumps(failed)})
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: pq.write_table(table, f))
     return table.num_rows, int(sum(len(s) for s in columns["speech_tokens"])), failed
 
 
@@ -204,7 +202,7 @@ def check_or_write_plan(out_dir: Path, plan: dict) -> None:
                 "use a new out_dir, or delete the old one to start over"
             )
         return
-    plan_path.write_text(text)
+    write_atomic(plan_path, text)
 
 
 def _describe_tokenizer(tokenizer: Any) -> str:
@@ -255,6 +253,9 @@ def prepare_corpus(
     manifest = scan.manifest
     text_tokens = _tokenize_texts(text_tokenizer, manifest["text"].tolist())
     manifest["text_tokens"] = [len(t) for t in text_tokens]
+    from ssd.models.text_tokenizer import unknown_words
+
+    unknown = set(unknown_words(text_tokenizer, manifest["text"].tolist()))
     manifest["drop_reason"] = _drop_reasons(
         manifest["duration"].to_numpy(),
         manifest["text_tokens"].to_numpy(),
@@ -264,6 +265,10 @@ def prepare_corpus(
         max_text_tokens,
         getattr(tokenizer, "max_seconds", None),
     )
+    if unknown:  # a word the text tokenizer maps to its unknown token: the model would learn to say nothing
+        for i, text in enumerate(manifest["text"]):
+            if not manifest.at[i, "drop_reason"] and set(unknown_words(text_tokenizer, [text])):
+                manifest.at[i, "drop_reason"] = "words the text tokenizer does not know"
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
         "corpus_root": str(Path(corpus_root).resolve()),
@@ -346,7 +351,7 @@ def prepare_corpus(
         report.dropped["unreadable audio"] = report.dropped.get("unreadable audio", 0) + decode_failures
     report.audio_hours = float(manifest.loc[keep, "duration"].sum() / 3600)
     report.seconds = time.perf_counter() - started
-    (out_dir / "summary.json").write_text(report.to_json())
+    write_atomic(out_dir / "summary.json", report.to_json())
     if log is not None:
         print_report(report, log)
     return report

@@ -16,6 +16,23 @@ from ssd.decoding.sampling import SamplingConfig, distribution, sample
 UNSETTLED = -1  # a next token a SettlingRule finishes after the round's sync (ssd.contracts.SettlingRule)
 
 
+def check_stop_tokens(law: SamplingConfig, vocab: int, min_len: Any, max_len: Any) -> None:
+    """Refuse a law whose stop tokens could never end a row: ids outside the head, or none at all (the rows
+    would run to max_len and the model's stop ids come out as speech), unless the request asks for a fixed
+    length (min_len = max_len for every row: no stop could end a row anyway)."""
+    fix = "build the SamplingConfig with the target's stop tokens (SamplingConfig(..., stop_tokens=target.stop_tokens))"
+    outside = [t for t in law.stop_tokens if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"sampling stop_tokens {outside} lie outside the model's head of {vocab} entries, so no "
+                         f"row could stop on them: {fix}")  # fmt: skip
+    fixed = torch.as_tensor(min_len).cpu() >= torch.as_tensor(max_len).cpu()  # host values (a request's ints)
+    if not law.stop_tokens and not bool(fixed.all()):
+        raise ValueError(
+            "sampling stop_tokens is empty: no row would stop before max_len, and the model's stop ids would be "
+            f"emitted as speech tokens: {fix}, or ask for a fixed length (Request min_len = max_len)"
+        )
+
+
 def _as_rows(value: Any, batch: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.long, device=device).expand(batch).clone()
 
@@ -35,6 +52,7 @@ class Sequences:
         self.generator = RowRandom.of(request.generator, batch, device)
         self.max_len = _as_rows(request.max_len, batch, device)
         self.min_len = _as_rows(request.min_len, batch, device)
+        check_stop_tokens(law, logits.shape[-1], request.min_len, request.max_len)
         self.stop = torch.tensor(law.stop_tokens or (-2,), dtype=torch.long, device=device)
         cap = int(self.max_len.max()) + 1
         self.history = torch.full((batch, cap), -1, dtype=torch.long, device=device)

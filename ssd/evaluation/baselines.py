@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import traceback
 from pathlib import Path
 
@@ -73,17 +74,26 @@ def baseline_key(cfg: DictConfig) -> str:
     return f"ar-{cfg.target.name}-{cfg.eval.name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def ensure_baseline(cfg: DictConfig, root: Path) -> Path:
+def parallel_jobs(launcher: DictConfig | None) -> int:
+    """The jobs a Hydra launcher runs at once on this machine: joblib's n_jobs (-1: every core), else 1 (the
+    basic launcher runs one at a time; a cluster launcher gives each job its own node)."""
+    if launcher is None or "JoblibLauncher" not in str(launcher.get("_target_", "")):
+        return 1
+    n, cores = int(launcher.get("n_jobs") or 1), os.cpu_count() or 1
+    return max(1, cores + 1 + n if n < 0 else n)
+
+
+def ensure_baseline(cfg: DictConfig, root: Path, jobs: int = 1) -> Path:
     """The finished baseline of `cfg` under `root` (run now, or reused): concurrent jobs of a sweep wait for the
     one that runs it (a lock on `root`) and then reuse its results."""
     from ssd.files import RunDirLock
 
     run_dir = root / baseline_key(cfg)
     if not (run_dir / METRICS_FILE).is_file():
-        with RunDirLock(root, "AR baseline", wait=True):
+        with RunDirLock(root, "AR baselines", wait=True):
             if not (run_dir / METRICS_FILE).is_file():
                 log.info("AR baseline for the speedup column: %s", run_dir)
-                evaluate(baseline_config(cfg), run_dir)
+                evaluate(baseline_config(cfg), run_dir, jobs)
     return run_dir
 
 
@@ -98,15 +108,16 @@ def run_job(cfg: DictConfig) -> dict | None:
 
     run_dir = hydra_run_dir()
     multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
+    jobs = parallel_jobs(HydraConfig.get().launcher) if multirun else 1
     try:
         compared = cfg.get("perturb") or instantiate(cfg.decoding).baseline() is not None
         if multirun and compared and not cfg.get("baseline_dir") and cfg.get("auto_baseline"):
             RunSettings.from_config(cfg)  # a bad setting fails before its baseline is computed
-            baseline = ensure_baseline(cfg, Path(HydraConfig.get().sweep.dir) / BASELINES_DIR)
+            baseline = ensure_baseline(cfg, Path(HydraConfig.get().sweep.dir) / BASELINES_DIR, jobs)
             cfg = cfg.copy()
             with open_dict(cfg):
                 cfg.baseline_dir = str(baseline)
-        return evaluate(cfg, run_dir)
+        return evaluate(cfg, run_dir, jobs)
     except Exception as err:
         if not multirun:
             raise

@@ -96,9 +96,11 @@ def write_figures(table: pd.DataFrame, out_dir: Path) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt
 
+    from ssd.files import save_figure
+
+    fig.tight_layout()
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -35,6 +35,23 @@ def build_test_list(e: EvalConfig) -> pd.DataFrame:
                                 seed=int(e.pair_seed))  # fmt: skip
 
 
+def check_texts(target: Any, pairs: pd.DataFrame) -> None:
+    """Refuse test texts and prompt texts with words the target's text tokenizer does not know (a word-level
+    tokenizer turns them into its unknown token, and the model would be asked to say nothing there)."""
+    from ssd.models.text_tokenizer import unknown_words
+
+    tokenizer = getattr(target, "tokenizer", None)
+    texts = {utt: f"{t} {p}" for utt, t, p in zip(pairs["utt"], pairs["text"], pairs["prompt_text"])}
+    unknown = unknown_words(tokenizer, texts.values()) if tokenizer is not None else []
+    if unknown:
+        utts = [u for u, text in texts.items() if set(unknown_words(tokenizer, [text]))]
+        raise ValueError(
+            f"the target's text tokenizer does not know the word(s) {unknown[:10]} of utterance(s) {utts[:5]}: "
+            "they would reach the model as its unknown token. Evaluate texts in the target's vocabulary (the toy "
+            "target knows only its language's words), or choose another target (target=...)"
+        )
+
+
 def wrong_sentence_texts(texts: list[str]) -> list[str | None]:
     """For item i, the next item's text that differs from text i (cyclic): the 'ignores its text' reference."""
     out = []

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ssd.files import write_atomic
+
 
 def machine_description() -> str:
     """CPU and the vector unit torch's CPU kernels use (float rounding differs between them, so results
@@ -60,7 +62,7 @@ class CommandLog:
     def add(self, argv: Sequence[str]) -> str:
         """Record `argv`; returns it as one shell-quoted line."""
         self.lines.append(" ".join(shlex.quote(a) for a in argv))
-        self.path.write_text(
-            f"# run from {self.cwd} (python = {sys.executable})\n" + "\n".join(self.lines) + "\n"
+        write_atomic(
+            self.path, f"# run from {self.cwd} (python = {sys.executable})\n" + "\n".join(self.lines) + "\n"
         )
         return self.lines[-1]

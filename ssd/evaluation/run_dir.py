@@ -9,23 +9,23 @@
 A sweep dir holds one run dir per job and `baselines/<key>/`: the AR runs its jobs measure speedup and
 ΔWER against (`ssd.evaluation.baselines.ensure_baseline`).
 
-Every file but the appended records is written atomically (temp + rename). A run holds `.lock` while it
-writes, so a second process (two sweeps into one dir, a joblib sweep with a repeated value) fails at once
-instead of doubling records. Resume refuses a dir computed with another configuration or other model
-files, and never counts an utterance twice.
+Every file is written through `ssd.files` (temp + rename; records appended, never through a link). A run
+holds `.lock` while it writes, so a second process (two sweeps into one dir, a joblib sweep with a repeated
+value) fails at once instead of doubling records, and the lock marks the dir as an evaluation run, so a
+training or a sweep never writes into it (nor it into theirs). Resume refuses a dir computed with another
+configuration, other input files or another test list, and never counts an utterance twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
+from ssd.files import RunDirLock, append_line, fingerprint, fingerprint_changes, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,15 @@ BASELINES_DIR = "baselines"  # below a sweep dir: the AR runs its jobs are compa
 INPUTS_KEY = "run_inputs"
 # Keys that do not change what a run computes: a resumed run may differ in them.
 NON_RESULT_KEYS = ("logger", "baseline_dir", "auto_baseline", "progress", "output_dir", INPUTS_KEY)
-# Config nodes whose path values are model files the results depend on (the corpus is checked through the
-# test list instead).
-INPUT_NODES = ("target.model", "draft", "speech_tokenizer", "vocoder", "asr", "sim", "mos")
+# Config nodes whose path values name files the results depend on (the corpus is checked through the test
+# list's content instead).
+INPUT_NODES = ("target.model", "draft", "acceptance", "groups", "decoding", "speech_tokenizer", "vocoder", "asr",
+               "sim", "mos", "perturb")  # fmt: skip
+# A string value is a path when it holds a '/' or a '.', or its key is named like one (a relative
+# `draft.checkpoint=mydraft.pt` and `model_dir=mymodel` count as much as an absolute path).
+PATH_KEY_ENDINGS = ("dir", "path", "checkpoint", "root", "repo", "file", "python")
+# What a test list entry is: a change in any of these between a run and its resume is refused.
+TEST_LIST_CONTENT = ("utt", "text", "prompt_utt", "prompt_text", "prompt_audio")
 
 
 def read_records(path: str | Path, repair: bool = True) -> list[dict]:
@@ -73,8 +79,8 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
             )
     if bad and repair:
         quarantine = path.with_name(QUARANTINE_FILE)
-        with quarantine.open("a", encoding="utf-8") as f:
-            f.writelines(json.dumps(b) + "\n" for b in bad)
+        for b in bad:
+            append_line(quarantine, json.dumps(b))
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
         log.warning("%s: %d line(s) set aside in %s (%s); %d records kept",
                     path, len(bad), quarantine, bad[0]["reason"], len(records))  # fmt: skip
@@ -82,10 +88,7 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
 
 
 def append_record(path: Path, record: dict) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_line(path, json.dumps(record))
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -97,29 +100,60 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _is_path(key: str, value: Any) -> bool:
+    if not isinstance(value, str) or not value or key.rsplit(".", 1)[-1] in ("_target_", "name"):
+        return False
+    named = key.rsplit(".", 1)[-1].lower().endswith(PATH_KEY_ENDINGS)
+    return (named or "/" in value or "." in value) and Path(value).exists()
+
+
 def run_inputs(config: dict) -> dict[str, dict]:
-    """{config key: fingerprint} of every existing file or dir that a run's model nodes name (config: the
-    resolved config, as plain data)."""
+    """{config key: fingerprint} of every existing file or dir that a string value of a run's part nodes
+    names, relative (from the working dir) or absolute (config: the resolved config, as plain data)."""
     flat = _flatten(config)
     return {
         key: fingerprint(value)
         for key, value in sorted(flat.items())
-        if key.startswith(tuple(f"{node}." for node in INPUT_NODES))
-        and isinstance(value, str)
-        and "/" in value
-        and Path(value).exists()
+        if key.startswith(tuple(f"{node}." for node in INPUT_NODES)) and _is_path(key, value)
     }
 
 
+def with_prompt_audio(pairs):
+    """The test list with `prompt_audio`: the identity of each prompt wav (`ssd.files.fingerprint`), so a
+    prompt file replaced under the same name is seen on resume."""
+    identity = {path: json.dumps(fingerprint(path), sort_keys=True) for path in set(pairs["prompt_wav"])}
+    return pairs.assign(prompt_audio=[identity[p] for p in pairs["prompt_wav"]])
+
+
+def test_list_changes(saved, now) -> list[str]:
+    """What differs between a run's saved test list and the one built now (content, not only ids): entries
+    added or dropped, and per utterance the fields of `TEST_LIST_CONTENT` that changed."""
+    columns = [c for c in TEST_LIST_CONTENT if c in saved.columns and c in now.columns]
+    before = {r["utt"]: r for r in saved[columns].to_dict(orient="records")}
+    after = {r["utt"]: r for r in now[columns].to_dict(orient="records")}
+    changes = []
+    if list(before) != list(after):
+        gone, new = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+        changes.append(
+            f"utterances {gone[:3]} dropped, {new[:3]} added" if gone or new else "the order changed"
+        )
+    for utt in (u for u in before if u in after):
+        for column in columns:
+            if before[utt][column] != after[utt][column]:
+                was, is_ = (str(x[utt][column])[:60] for x in (before, after))
+                changes.append(f"utterance {utt}: {column} {was!r} then, {is_!r} now")
+    return changes
+
+
 class RunDir:
-    """`with RunDir(path) as run:` — the lock is held inside the block."""
+    """`with RunDir(path) as run:` — the lock is held inside the block; `run.path` is the run dir's absolute
+    path (links above it resolved; a run dir that is itself a link is refused)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._lock = RunDirLock(self.path, "evaluation run")
+        self._lock = RunDirLock(path, "evaluation run")
+        self.path = self._lock.dir
 
     def __enter__(self) -> RunDir:
-        self.path.mkdir(parents=True, exist_ok=True)
         self._lock.__enter__()
         return self
 
@@ -145,10 +179,13 @@ class RunDir:
                 f"run dir {self.path} holds results of a different configuration (keys {differ[:8]} differ); "
                 "rerun with the same settings to resume, or choose a new output dir (hydra.run.dir / hydra.sweep.dir)"
             )
-        changes = fingerprint_changes(saved.get(INPUTS_KEY) or {}, inputs)
+        recorded = (
+            saved.get(INPUTS_KEY) or {}
+        )  # a key an older ssd did not fingerprint is compared by its value
+        changes = fingerprint_changes(recorded, {k: v for k, v in inputs.items() if k in recorded})
         if changes:
             raise ValueError(
-                f"run dir {self.path} holds results computed with other model files: {'; '.join(changes)}. "
+                f"run dir {self.path} holds results computed with other input files: {'; '.join(changes)}. "
                 "Resuming would mix two models in one table: choose a new output dir, or restore the files"
             )
 
@@ -158,22 +195,22 @@ class RunDir:
         )
 
     def check_test_list(self, pairs) -> None:
+        """Refuse a test list whose content (ids, texts, prompts, prompt audio) differs from the one this run
+        dir was computed on; write it otherwise. `pairs`: `with_prompt_audio` of the list built now."""
         from ssd.data.libritts import load_table, save_table
 
         path = self.path / TEST_LIST_FILE
         if path.is_file():
-            saved = load_table(path)
-            if (
-                saved["utt"].tolist() != pairs["utt"].tolist()
-                or saved["prompt_utt"].tolist() != pairs["prompt_utt"].tolist()
-            ):
+            changes = test_list_changes(load_table(path), pairs)
+            if changes:
                 raise ValueError(
-                    f"{path} differs from the test list the eval config builds now (corpus changed?)"
+                    f"{path} differs from the test list the eval config builds now: {'; '.join(changes[:5])}"
+                    f"{f' (and {len(changes) - 5} more)' if len(changes) > 5 else ''}. Resuming would decode "
+                    "another list under the same results: restore the corpus (eval.corpus_root), or choose a new "
+                    "output dir"
                 )
             return
-        tmp = path.with_name(f".tmp.{path.name}")  # same suffix: save_table picks the format by it
-        save_table(pairs, tmp)
-        tmp.replace(path)
+        save_table(pairs, path)
 
     def write_metrics(self, metrics: dict) -> None:
         write_atomic(self.path / METRICS_FILE, json.dumps(metrics, indent=1))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ from omegaconf import DictConfig, open_dict
 from ssd.decoding.generate import Request
 from ssd.decoding.observe import Instruments, Streaming
 from ssd.decoding.rng import RowRandom
-from ssd.evaluation.items import Item, build_test_list, prepare_item, wrong_sentence_texts
+from ssd.evaluation.items import Item, build_test_list, check_texts, prepare_item, wrong_sentence_texts
 from ssd.evaluation.judging import judge
 from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.models import EvalModels, cached, load_models
@@ -52,8 +53,9 @@ from ssd.evaluation.run_dir import (
     append_record,
     read_records,
     run_inputs,
+    with_prompt_audio,
 )
-from ssd.evaluation.schema import register_sweep_schema
+from ssd.evaluation.schema import cpu_load, register_sweep_schema
 from ssd.evaluation.settings import RunSettings
 from ssd.evaluation.streaming import (
     STREAM_KEYS,
@@ -63,6 +65,7 @@ from ssd.evaluation.streaming import (
     streamed_wav,
 )
 from ssd.evaluation.wandb_mirror import log_to_wandb
+from ssd.files import write_atomic
 from ssd.models.transformer import use_batch_invariant
 
 log = logging.getLogger(__name__)
@@ -308,8 +311,10 @@ def hydra_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
-    """Run (or resume) one evaluation into `run_dir` (default: Hydra's output dir); returns the metrics."""
+def evaluate(cfg: DictConfig, run_dir: str | Path | None = None, parallel_jobs: int = 1) -> dict:
+    """Run (or resume) one evaluation into `run_dir` (default: Hydra's output dir); returns the metrics.
+    `parallel_jobs`: the jobs a local launcher runs beside this one (their threads share the cores): with
+    eval.num_threads=null each job takes its share; an oversubscribed CPU is warned about and recorded."""
     run_dir = Path(run_dir) if run_dir is not None else hydra_run_dir()
     cfg = cfg.copy()  # the caller's config stays as given; `output_dir` (logger configs use it) = run_dir
     with open_dict(cfg):
@@ -318,25 +323,32 @@ def evaluate(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     baseline = cfg.get("baseline_dir")
     if baseline and not (Path(str(baseline)) / METRICS_FILE).is_file():  # now, not after hours of decoding
         raise FileNotFoundError(f"baseline_dir={baseline} has no {METRICS_FILE}: run the baseline first")
-    if settings.eval.num_threads:
-        torch.set_num_threads(int(settings.eval.num_threads))
+    share = max(1, (os.cpu_count() or 1) // parallel_jobs)  # each parallel job's share of the cores
+    threads = settings.eval.num_threads or (share if parallel_jobs > 1 else None)
+    if threads:
+        torch.set_num_threads(int(threads))
+    load = cpu_load(parallel_jobs, torch.get_num_threads())
+    if load["oversubscribed"]:
+        log.warning("%s: %s (hydra.launcher.n_jobs x eval.num_threads > cores)", run_dir, load["note"])
     with RunDir(run_dir) as run:
+        run_dir = run.path
         inputs = run_inputs(settings.resolved)  # fingerprints of the model files, read once
         run.check_config(settings.resolved, inputs)
-        pairs = build_test_list(settings.eval)
+        pairs = with_prompt_audio(build_test_list(settings.eval))
         models = load_models(settings)  # fails here, before any decoding, when a path is wrong
+        check_texts(models.target, pairs)
         run.check_test_list(pairs)
         run.write_config(settings.resolved, inputs)
         metrics = _run(
-            settings, models, pairs, run, run_dir / AUDIO_DIR, Path(str(baseline)) if baseline else None
+            settings, models, pairs, run, run_dir / AUDIO_DIR, Path(str(baseline)) if baseline else None, load
         )
     log_to_wandb(settings.resolved, run_dir, metrics, read_records(run_dir / RESULTS_FILE, repair=False),
                  run_dir / AUDIO_DIR, settings.eval.num_audio_samples)  # fmt: skip
     return metrics
 
 
-def _run(settings: RunSettings, models: EvalModels, pairs, run: RunDir, audio_dir: Path, baseline: Path | None
-         ) -> dict:  # fmt: skip
+def _run(settings: RunSettings, models: EvalModels, pairs, run: RunDir, audio_dir: Path, baseline: Path | None,
+         load: dict) -> dict:  # fmt: skip
     """Decode and judge the test list's unfinished utterances; the metrics of all of them."""
     records = read_records(run.results)
     done = {r["utt"] for r in records}
@@ -372,6 +384,8 @@ def _run(settings: RunSettings, models: EvalModels, pairs, run: RunDir, audio_di
     e = settings.eval
     metrics = summarize(records, e.bootstrap_resamples, settings.seed)
     metrics.update(run_labels(settings, models), batch_size=batch_size, batch_note=batch_note)
+    metrics.update(parallel_jobs=load["parallel_jobs"], cpu_threads=load["threads"], cpu_cores=load["cores"],
+                   oversubscribed=load["oversubscribed"], cpu_note=load["note"])  # fmt: skip
     metrics.update(group_metrics(models, records))
     if baseline is not None:
         metrics.update(speedup_vs(metrics, records, baseline, settings, models))
@@ -418,8 +432,8 @@ def _run_loop(settings: RunSettings, models: EvalModels, items: list[Item], batc
         batch = items[start : start + batch_size]
         for item, (record, wav) in zip(batch, evaluate_batch(settings, models, batch, timing)):
             if item.index < settings.eval.num_audio_samples and wav.size:
-                audio_dir.mkdir(exist_ok=True)
-                sf.write(audio_dir / f"{item.pair.utt}.wav", wav, models.vocoder.sample_rate)
+                write_atomic(audio_dir / f"{item.pair.utt}.wav",
+                             lambda f, wav=wav: sf.write(f, wav, models.vocoder.sample_rate, format="WAV"))  # fmt: skip
             append_record(results_path, record)
             records.append(record)
         bar.update(len(batch))

@@ -12,13 +12,14 @@ against the called class's signature.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ssd.training.schema import check_target_kwargs
+from ssd.training.schema import check_schema, check_target_kwargs
 
 SCHEMA_NAME = "sweep_schema"
 MAX_DIRNAME = 120
@@ -26,11 +27,12 @@ MAX_DIRNAME = 120
 
 def job_dirname(override_dirname: str) -> str:
     """A multirun job's dir name from its overrides: '/' cannot nest dirs, and a name too long for the file
-    system keeps its first characters plus a hash of the whole (still a pure function, so reruns resume)."""
+    system keeps its first characters. Either way a hash of the overrides as given is appended, so two jobs
+    never share a dir (`a/x.pt` and `a_x.pt` differ); still a pure function, so reruns resume."""
     name = override_dirname.replace("/", "_") or "default"
-    if len(name) <= MAX_DIRNAME:
+    if name == override_dirname and len(name) <= MAX_DIRNAME:
         return name
-    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name[: MAX_DIRNAME - 11] + "-" + hashlib.sha1(override_dirname.encode()).hexdigest()[:10]
 
 
 @dataclass
@@ -94,22 +96,43 @@ class SweepConfig:
     perturb: Any = None  # tokens rewritten before vocoding (PCG's stress test: ssd.decoding.pcg.GroupSwap)
 
 
+def jobs_that_fit(threads: int | None, cores: int | None = None) -> int:
+    """How many parallel jobs of `threads` threads each (null: every core) a machine of `cores` cores holds."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // int(threads or cores))
+
+
+def cpu_load(parallel_jobs: int, threads: int, cores: int | None = None) -> dict[str, Any]:
+    """What a run's timings share the CPU with: its parallel jobs (a local launcher's), each one's threads, the
+    cores, and whether jobs x threads oversubscribe them (then every speed column is unreliable)."""
+    cores = cores or os.cpu_count() or 1
+    busy = parallel_jobs * threads > cores
+    note = f"{parallel_jobs} parallel job(s) x {threads} thread(s) on {cores} core(s)"
+    return {"parallel_jobs": parallel_jobs, "threads": threads, "cores": cores, "oversubscribed": busy,
+            "note": note + (": oversubscribed, speed columns unreliable" if busy else "")}  # fmt: skip
+
+
 def plain(node: Any) -> Any:
     """A config node as plain python (interpolations resolved); anything else as it is."""
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def register_sweep_schema() -> None:
-    """What sweep.yaml names: `sweep_schema` in its defaults list and the `ssd.job_dirname` resolver
-    (configs/hydra/default.yaml names job dirs with it); idempotent."""
+    """What sweep.yaml names: `sweep_schema` in its defaults list, the `ssd.job_dirname` resolver
+    (configs/hydra/default.yaml names job dirs with it) and `ssd.jobs_that_fit` (the joblib launcher's
+    n_jobs); idempotent."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=SweepConfig)
     if not OmegaConf.has_resolver("ssd.job_dirname"):
         OmegaConf.register_new_resolver("ssd.job_dirname", job_dirname)
+    if not OmegaConf.has_resolver("ssd.jobs_that_fit"):
+        OmegaConf.register_new_resolver("ssd.jobs_that_fit", jobs_that_fit)
 
 
 def validate_sweep_config(cfg: DictConfig, needs: tuple[str, ...] = ()) -> None:
     """Every range the types cannot express, in one error that names each key and what it must be; `needs`:
-    the config groups the decoder decodes with (they must be set)."""
+    the config groups the decoder decodes with (they must be set). A key the schema does not know (`+drafr_len=5`)
+    is refused first."""
+    check_schema(cfg, SweepConfig, "sweep")
     problems = []
     for key in needs:
         if cfg.get(key) is None:
@@ -135,6 +158,12 @@ def validate_sweep_config(cfg: DictConfig, needs: tuple[str, ...] = ()) -> None:
         lo_hi = list(e[key])
         if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
             problems.append(f"eval.{key}={lo_hi} must be [min, max] seconds with 0 <= min <= max")
+    mode = cfg.asr.get("vocabulary_mode") if isinstance(cfg.get("asr"), DictConfig) else None
+    if e.language is None and mode is not None:
+        problems.append(
+            f"asr.vocabulary_mode={mode} needs the language's words, and eval.language=null gives none: set "
+            "asr.vocabulary_mode=null (an open vocabulary) or eval.language=grid"
+        )
     if e.batch_size < 1:
         problems.append(f"eval.batch_size={e.batch_size} must be >= 1")
     if e.timed_utts is not None and e.timed_utts < 1:

@@ -52,7 +52,11 @@ class RunSettings:
         from hydra.core.hydra_config import HydraConfig
         from hydra.utils import get_class
 
-        if OmegaConf.is_interpolation(cfg, "output_dir") and not HydraConfig.initialized():
+        if HydraConfig.initialized():
+            from ssd.config import check_choices
+
+            check_choices(cfg, HydraConfig.get().runtime.choices)  # an option that names no config file
+        elif OmegaConf.is_interpolation(cfg, "output_dir"):
             cfg = cfg.copy()  # composed outside a Hydra run (the API, tests): no run dir is named yet
             with open_dict(cfg):
                 cfg.output_dir = None

@@ -1,11 +1,13 @@
 """One table (markdown, LaTeX, CSV) over all runs of a sweep dir.
 
-`build_table(sweep_dir)` reads every `metrics.json` below `sweep_dir` (and lists jobs that left an
-`error.json`), adds ΔWER, ΔSIM and ΔNMOS against the reference run of the same sweep (the target alone,
-`reference: true` in its metrics) or a `baseline` run dir, and the measured per-call costs
-(`add_cost_columns`); `write_table` writes `table.{md,tex,csv}` (`ssd.evaluation.report.aggregate` adds the
-figures). The experiment driver (`ssd.experiments`) writes its tables with the same `write_table`;
-`ssd.evaluation.selection` chooses a setting on a held-out split.
+`build_table(sweep_dir)` reads every evaluation run dir below `sweep_dir`: a finished one (`metrics.json`) is
+a row, and every other one is listed under the table with what it is (failed: its `error.json`; running: its
+lock is held; incomplete: killed, with how many utterances it has), never dropped. It adds ΔWER, ΔSIM and
+ΔNMOS against the reference run of the same sweep (the target alone, `reference: true` in its metrics) or a
+`baseline` run dir, and the measured per-call costs (`add_cost_columns`); `write_table` writes
+`table.{md,tex,csv}` (`ssd.evaluation.report.aggregate` adds the figures). The experiment driver
+(`ssd.experiments`) writes its tables with the same `write_table`; `ssd.evaluation.selection` chooses a
+setting on a held-out split.
 
 A run's decoding setting is named by the keys listed in its metrics.json `setting_keys` (its decoder's labels,
 e.g. ["decoding", "draft", "acceptance", "beta", "draft_len", "adaptive"]; a rule's own parameters, whatever
@@ -24,7 +26,14 @@ import numpy as np
 import pandas as pd
 
 from ssd.evaluation.metrics import paired_vs_ar
-from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE, read_records
+from ssd.evaluation.run_dir import (
+    ERROR_FILE,
+    METRICS_FILE,
+    RESULTS_FILE,
+    TEST_LIST_FILE,
+    read_records,
+)
+from ssd.files import KIND_FILE, dir_kind, lock_holder, write_atomic
 
 # Setting keys that are not an acceptance rule's own parameters.
 DECODING_KEYS = ("decoding", "draft", "acceptance", "draft_len", "adaptive")
@@ -63,44 +72,85 @@ def setting_keys(table: pd.DataFrame) -> list[str]:
     return keys
 
 
+def run_dirs(sweep_dir: Path) -> list[Path]:
+    """The evaluation run dirs below `sweep_dir`: any dir holding a run's file, not marked as another kind
+    (the sweep dir itself, its baselines/), hidden dirs (.hydra, .submitit) left out."""
+    names = (METRICS_FILE, ERROR_FILE, RESULTS_FILE, TEST_LIST_FILE, KIND_FILE)
+    out = []
+    for d in sorted({p.parent for name in names for p in sweep_dir.rglob(name)}):
+        hidden = any(part.startswith(".") for part in d.relative_to(sweep_dir).parts)
+        if not hidden and dir_kind(d)[0] in ("evaluation run", None):
+            out.append(d)
+    return out
+
+
+def _metrics_row(path: Path, sweep_dir: Path) -> dict:
+    metrics = json.loads(path.read_text())
+    row = {"run": str(path.parent.relative_to(sweep_dir)) or ".", "status": "ok"}
+    for key, value in metrics.items():
+        if isinstance(value, list) and len(value) == 2 and key.endswith("_ci"):
+            row[f"{key}_lo"], row[f"{key}_hi"] = value
+        elif not isinstance(value, (list, dict)):
+            row[key] = value
+    if "setting_keys" not in metrics or "reference" not in metrics:
+        raise ValueError(f"{path} names no setting_keys/reference (an older ssd wrote it): rerun that job")
+    row["setting_keys"] = ",".join(metrics["setting_keys"])
+    for i, (alpha, beta_t) in enumerate(zip(metrics.get("alpha_per_position", []),
+                                             metrics.get("beta_per_position", []))):  # fmt: skip
+        row[f"alpha_{i + 1}"], row[f"beta_t_{i + 1}"] = alpha, beta_t
+    for i, tv in enumerate(metrics.get("tv_per_position", [])):
+        row[f"tv_{i + 1}"] = tv
+    for slot, acc in (metrics.get("slot_accuracy") or {}).items():
+        row[f"slot_{slot}"] = acc
+    return row
+
+
+def _progress(run_dir: Path) -> str:
+    """'k of n utterances' of an unfinished run (n from its test list, when written)."""
+    done = len(read_records(run_dir / RESULTS_FILE, repair=False))
+    test_list = run_dir / TEST_LIST_FILE
+    total = (
+        sum(1 for line in test_list.read_text().splitlines() if line.strip()) if test_list.is_file() else "?"
+    )
+    return f"{done} of {total} utterances"
+
+
 def load_runs(sweep_dir: str | Path) -> pd.DataFrame:
-    """One row per run dir below `sweep_dir`: its setting labels and metrics; failed jobs have `status=failed`.
-    Column `setting_keys` holds each run's setting keys, comma-joined."""
+    """One row per evaluation run dir below `sweep_dir`: its setting labels and metrics (`status=ok`), or
+    `status` failed / running / incomplete with a `note` (never left out). Column `setting_keys` holds each
+    finished run's setting keys, comma-joined."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep dir {sweep_dir} does not exist")
     rows = []
-    for path in sorted(sweep_dir.rglob(METRICS_FILE)):
-        metrics = json.loads(path.read_text())
-        row = {"run": str(path.parent.relative_to(sweep_dir)) or ".", "status": "ok"}
-        for key, value in metrics.items():
-            if isinstance(value, list) and len(value) == 2 and key.endswith("_ci"):
-                row[f"{key}_lo"], row[f"{key}_hi"] = value
-            elif not isinstance(value, (list, dict)):
-                row[key] = value
-        if "setting_keys" not in metrics or "reference" not in metrics:
-            raise ValueError(
-                f"{path} names no setting_keys/reference (an older ssd wrote it): rerun that job"
+    for run_dir in run_dirs(sweep_dir):
+        name = str(run_dir.relative_to(sweep_dir)) or "."
+        holder = lock_holder(run_dir)
+        error = (
+            json.loads((run_dir / ERROR_FILE).read_text()).get("error", "")
+            if (run_dir / ERROR_FILE).is_file()
+            else None
+        )
+        if holder is not None:
+            rows.append(
+                {"run": name, "status": "running", "note": f"running now ({holder}): {_progress(run_dir)}"}
             )
-        row["setting_keys"] = ",".join(metrics["setting_keys"])
-        for i, (alpha, beta_t) in enumerate(zip(metrics.get("alpha_per_position", []),
-                                                 metrics.get("beta_per_position", []))):  # fmt: skip
-            row[f"alpha_{i + 1}"], row[f"beta_t_{i + 1}"] = alpha, beta_t
-        for i, tv in enumerate(metrics.get("tv_per_position", [])):
-            row[f"tv_{i + 1}"] = tv
-        for slot, acc in (metrics.get("slot_accuracy") or {}).items():
-            row[f"slot_{slot}"] = acc
-        rows.append(row)
-    for path in sorted(sweep_dir.rglob(ERROR_FILE)):
-        if not (path.parent / METRICS_FILE).is_file():
-            error = json.loads(path.read_text()).get("error", "")
-            rows.append({"run": str(path.parent.relative_to(sweep_dir)), "status": "failed", "error": error})
+        elif (run_dir / METRICS_FILE).is_file():
+            row = _metrics_row(run_dir / METRICS_FILE, sweep_dir)
+            if error is not None:  # a success clears error.json: this came from a later attempt
+                row["note"] = f"its metrics are from an earlier attempt; the last one failed: {error}"
+            rows.append(row)
+        elif error is not None:
+            rows.append({"run": name, "status": "failed", "error": error, "note": error})
+        else:
+            rows.append({"run": name, "status": "incomplete",
+                         "note": f"stopped before its metrics (killed?): {_progress(run_dir)}; rerun to resume"})  # fmt: skip
     if not rows:
         raise FileNotFoundError(
-            f"no {METRICS_FILE} (or {ERROR_FILE}) below {sweep_dir}: nothing to aggregate"
+            f"no evaluation run ({METRICS_FILE}, {ERROR_FILE} or {RESULTS_FILE}) below {sweep_dir}: nothing to aggregate"
         )
     table = pd.DataFrame(rows)
-    for key in ("decoding", "acceptance", "reference", "setting_keys", *setting_keys(table)):
+    for key in ("decoding", "acceptance", "reference", "setting_keys", "note", *setting_keys(table)):
         if key not in table:
             table[key] = np.nan
     return table
@@ -381,20 +431,47 @@ def to_markdown(frame: pd.DataFrame) -> str:
     return "\n".join([header, rule, *lines]) + "\n"
 
 
+NOT_SHOWN = {"failed": "Failed jobs (see error.json in each)", "running": "Running jobs (not in the table yet)",
+             "incomplete": "Incomplete jobs (not in the table)"}  # fmt: skip
+
+
+def table_notes(table: pd.DataFrame) -> list[str]:
+    """What the table does not show, one line each: failed, running and incomplete jobs (with why), runs whose
+    last attempt failed, and runs timed on an oversubscribed CPU (their speed columns are unreliable)."""
+    lines = []
+    for status, title in NOT_SHOWN.items():
+        rows = table[table["status"] == status]
+        if not rows.empty:
+            lines += [f"{title}:", *(f"- {r['run']}: {r['note']}" for _, r in rows.iterrows())]
+    ok = table[table["status"] == "ok"]
+    later = ok[ok["note"].notna()] if "note" in ok else ok.iloc[:0]
+    if not later.empty:
+        lines += [
+            "Shown from an earlier attempt:",
+            *(f"- {r['run']}: {r['note']}" for _, r in later.iterrows()),
+        ]
+    if "oversubscribed" in ok and ok["oversubscribed"].fillna(False).astype(bool).any():
+        busy = ok[ok["oversubscribed"].fillna(False).astype(bool)]
+        lines += ["Timed with more threads than cores (speed columns unreliable):",
+                  *(f"- {r['run']}: {r.get('cpu_note', '')}" for _, r in busy.iterrows())]  # fmt: skip
+    return lines
+
+
 def write_table(table: pd.DataFrame, out_dir: str | Path, stem: str = "table") -> pd.DataFrame:
-    """<stem>.csv (every column), <stem>.md and <stem>.tex (the readable table, failed jobs listed under the
-    markdown); returns the readable table."""
+    """<stem>.csv (every column, every run with its status), <stem>.md and <stem>.tex (the readable table,
+    `table_notes` under it); returns the readable table. All three are rendered before any is written, each
+    written atomically."""
     out_dir = Path(out_dir)
-    table.to_csv(out_dir / f"{stem}.csv", index=False)
     shown = display_table(table)
-    markdown = to_markdown(shown)
-    failed = table[table["status"] == "failed"]
-    if not failed.empty:
-        markdown += "\nFailed jobs (see error.json in each):\n" + "".join(
-            f"- {r['run']}: {r['error']}\n" for _, r in failed.iterrows()
-        )
-    (out_dir / f"{stem}.md").write_text(markdown)
-    (out_dir / f"{stem}.tex").write_text(shown.to_latex(index=False, escape=True))
+    notes = table_notes(table)
+    texts = {
+        "csv": table.to_csv(index=False),
+        "md": to_markdown(shown)
+        + "".join(f"{line}\n" if line.startswith("- ") else f"\n{line}\n" for line in notes),
+        "tex": shown.to_latex(index=False, escape=True) + "".join(f"% {line}\n" for line in notes),
+    }
+    for suffix, text in texts.items():
+        write_atomic(out_dir / f"{stem}.{suffix}", text)
     return shown
 
 

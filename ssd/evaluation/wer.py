@@ -69,8 +69,8 @@ def utterance_wer(reference: str, hypothesis: str, normalize: bool = True) -> Ut
     """Substitutions, deletions, insertions of `hypothesis` against `reference` (both normalised first)."""
     ref = normalize_text(reference) if normalize else " ".join(reference.split())
     hyp = normalize_text(hypothesis) if normalize else " ".join(hypothesis.split())
-    if not ref:
-        raise ValueError(f"reference {reference!r} is empty after normalisation; WER is undefined for it")
+    if not any(ch.isalnum() for ch in ref):  # "... !? —" normalises to "." (one 'word'), not to ""
+        raise ValueError(f"reference {reference!r} has no word after normalisation; WER is undefined for it")
     out = jiwer.process_words(ref, hyp)
     return UtteranceWER(ref, hyp, out.substitutions, out.deletions, out.insertions, len(ref.split()))
 

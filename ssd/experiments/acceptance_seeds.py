@@ -34,6 +34,7 @@ from ssd.config import as_overrides, compose
 from ssd.evaluation.metrics import bootstrap_ci
 from ssd.evaluation.tables import to_markdown
 from ssd.experiments import StudyResult
+from ssd.files import save_figure, write_atomic
 
 if TYPE_CHECKING:
     from ssd.experiments.driver import Experiment
@@ -144,7 +145,7 @@ def _figure(table: pd.DataFrame, path) -> None:
     ax.set_yticks(y, table["rule"], fontsize=7)
     ax.set_xlabel(f"acceptance {delta}\n(95% bootstrap CI over utterances)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -162,13 +163,12 @@ def run_acceptance_seeds_study(experiment: Experiment) -> StudyResult:
             decode_counts(cfg, run_dir, utterances, seeds, label, progress=bool(cfg.get("progress")))
         )
     counts = pd.concat(parts, ignore_index=True)
-    counts[["rule", "utt", "seed", "accepted", "proposed", "tokens"]].to_csv(
-        experiment.out_dir / RESULTS, index=False
-    )
+    columns = ["rule", "utt", "seed", "accepted", "proposed", "tokens"]
+    write_atomic(experiment.out_dir / RESULTS, counts[columns].to_csv(index=False))
     table = compare(counts, labels, int(experiment.cfg.eval.get("bootstrap_resamples", 1000)),
                     int(experiment.cfg.seed))  # fmt: skip
     shown = table.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v)
-    (experiment.out_dir / TABLE).write_text(to_markdown(shown) + "\n")
+    write_atomic(experiment.out_dir / TABLE, to_markdown(shown) + "\n")
     _figure(table, experiment.out_dir / FIGURE)
     section = (
         f"## Acceptance over many seeds ({utterances} test utterances x {seeds} seeds per rule, decoding only)\n\n"

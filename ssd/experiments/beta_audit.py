@@ -21,6 +21,7 @@ from ssd.decoding.acceptance import ToleranceRule
 from ssd.evaluation.run_dir import RESULTS_FILE, read_records
 from ssd.evaluation.tables import load_runs, to_markdown
 from ssd.experiments import StudyResult
+from ssd.files import save_figure, write_atomic
 
 if TYPE_CHECKING:
     from ssd.experiments.driver import Experiment
@@ -85,7 +86,7 @@ def _figure(per_run: dict[str, pd.DataFrame], path) -> None:
     ax.set_ylabel("density")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -116,9 +117,9 @@ def run_beta_audit_study(experiment: Experiment) -> StudyResult:
             f"{groups.get('group_size')} (theta resolved on this target)."
         )
     table = pd.DataFrame(rows)
-    table.to_csv(experiment.out_dir / "beta_audit.csv", index=False)
+    write_atomic(experiment.out_dir / "beta_audit.csv", table.to_csv(index=False))
     shown = table.map(lambda v: f"{v:.1f}" if isinstance(v, float) and not np.isnan(v) else v)
-    (experiment.out_dir / "beta_audit.md").write_text(to_markdown(shown) + "\n")
+    write_atomic(experiment.out_dir / "beta_audit.md", to_markdown(shown) + "\n")
     _figure(per_run, experiment.out_dir / FIGURE)
     section = (
         "## β audit: are the tokens β admits interchangeable with the target's?\n\n"

@@ -28,6 +28,7 @@ import pandas as pd
 from ssd.config import as_overrides, compose, merge_overrides
 from ssd.evaluation.tables import build_table, display_table, to_markdown
 from ssd.experiments import StudyResult
+from ssd.files import save_figure
 
 if TYPE_CHECKING:
     from ssd.experiments.driver import Experiment
@@ -126,6 +127,6 @@ def _figure(table: pd.DataFrame, path: Path) -> str:
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path.name

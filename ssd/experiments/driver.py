@@ -32,6 +32,7 @@ from ssd.evaluation.run_dir import BASELINES_DIR, METRICS_FILE
 from ssd.evaluation.selection import matched_speed, select_on_dev
 from ssd.evaluation.tables import display_table, paper_table, to_markdown, write_table
 from ssd.experiments import STUDIES, StudyResult
+from ssd.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def _copy_figures(sweep_dir: Path, out_dir: Path, suffix: str = "") -> list[str]
     names = []
     for fig in sorted(sweep_dir.glob("fig_*.png")):
         target = out_dir / f"{fig.stem}{suffix}.png"
-        target.write_bytes(fig.read_bytes())
+        write_atomic(target, fig.read_bytes())
         names.append(target.name)
     return names
 
@@ -195,8 +196,8 @@ def reproduce(
     out_dir = Path(out_root or default_out()).resolve() / name
     runs = out_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    (out_dir / "machine.txt").write_text(machine_description())
-    (out_dir / "git_commit.txt").write_text(git_description(repo_root()))
+    write_atomic(out_dir / "machine.txt", machine_description())
+    write_atomic(out_dir / "git_commit.txt", git_description(repo_root()))
     world = applicable(overrides, "sweep")
     if not any(override_key(o) == "logger" for o in world):
         world.insert(0, "logger=none")  # W&B start-up costs seconds per job; pass logger=wandb to mirror
@@ -250,5 +251,5 @@ def reproduce(
         *sections,
         "## Files\n\n" + "\n".join(f"- {f}" for f in ["table.md", "table.csv", *figures]) + "\n",
     ]
-    (out_dir / "summary.md").write_text("\n".join(summary))
+    write_atomic(out_dir / "summary.md", "\n".join(summary))
     return out_dir

@@ -26,6 +26,7 @@ from ssd.evaluation.metrics import chi_square_homogeneity, paired_differences, r
 from ssd.evaluation.run_dir import RESULTS_FILE, read_records
 from ssd.evaluation.tables import load_runs, to_markdown
 from ssd.experiments import StudyResult
+from ssd.files import save_figure, write_atomic
 
 if TYPE_CHECKING:
     from ssd.experiments.driver import Experiment
@@ -232,7 +233,7 @@ def _paired(cfg: DictConfig, sweep_dir: Path, out_dir: Path) -> str:
         read_records(sweep_dir / spec["run"].iloc[0] / RESULTS_FILE),
         int(cfg.eval.get("bootstrap_resamples", 1000)), int(cfg.seed),
     ))  # fmt: skip
-    paired.to_csv(out_dir / "paired_differences.csv", index=False)
+    write_atomic(out_dir / "paired_differences.csv", paired.to_csv(index=False))
     return to_markdown(paired.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v))
 
 
@@ -244,19 +245,19 @@ def run_exactness_study(experiment: Experiment) -> StudyResult:
     models, items = _exactness_models(cfg)
 
     chi_table, chosen_item, rates = _chi_square(cfg, models, items)
-    chi_table.to_csv(out_dir / "chi_square.csv", index=False)
+    write_atomic(out_dir / "chi_square.csv", chi_table.to_csv(index=False))
     shown_chi = chi_table.copy()
     for column in shown_chi.columns:
         if column.startswith("chi2"):
             shown_chi[column] = shown_chi[column].map(lambda v: f"{v:.1f}")
         elif column.startswith("p "):
             shown_chi[column] = shown_chi[column].map(lambda v: f"{v:.3g}")
-    (out_dir / "chi_square.md").write_text(to_markdown(shown_chi))
+    write_atomic(out_dir / "chi_square.md", to_markdown(shown_chi))
 
     drift_table = _tv_drift(cfg, models, items)
-    drift_table.to_csv(out_dir / "tv_drift.csv", index=False)
+    write_atomic(out_dir / "tv_drift.csv", drift_table.to_csv(index=False))
     drift_md = to_markdown(drift_table.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v))
-    (out_dir / "tv_drift.md").write_text(drift_md)
+    write_atomic(out_dir / "tv_drift.md", drift_md)
     _tv_figure(drift_table, out_dir / TV_FIGURE)
 
     paired_text = _paired(cfg, experiment.runs / "test", out_dir)
@@ -297,5 +298,5 @@ def _tv_figure(drift: pd.DataFrame, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)

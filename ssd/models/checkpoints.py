@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ssd.files import write_tree
 from ssd.models.backbone_config import BackboneConfig
 from ssd.models.cosyvoice2 import CosyVoice2LM
 from ssd.models.text_tokenizer import add_special_tokens, load_text_tokenizer
@@ -132,11 +133,12 @@ def write_llasa_dir(
         state["lm_head.weight"] = (
             torch.randn(config.vocab_size, config.hidden_size, generator=generator) * std
         )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     hf_config = config.to_hf()
     hf_config.architectures = ["LlamaForCausalLM"]
-    hf_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
+
+    def build(staging: Path) -> None:
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        hf_config.save_pretrained(staging)
+        tokenizer.save_pretrained(str(staging))
+
+    return write_tree(out_dir, build)

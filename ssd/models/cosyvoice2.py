@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ssd.files import read_checkpoint
+from ssd.files import read_checkpoint, write_tree
 from ssd.models.backbone_config import BackboneConfig
 from ssd.models.base import (
     CachedSpeechLM,
@@ -221,17 +221,20 @@ class CosyVoice2LM(CachedSpeechLM):
 
     def save_dir(self, out_dir: str | Path) -> Path:
         """Write llm.pt + CosyVoice-BlankEN/ (config.json, model.safetensors, the tokenizer) in the
-        distributed format, so upstream's CosyVoice2 loader opens the dir as well as ours."""
+        distributed format, so upstream's CosyVoice2 loader opens the dir as well as ours. Written through
+        `ssd.files.write_tree`: each file whole, never through a link."""
         if self.tokenizer is None:
             raise ValueError("save_dir needs the model's text tokenizer (CosyVoice2LM(tokenizer=...))")
-        out_dir = Path(out_dir)
+        return write_tree(out_dir, self._write_dir)
+
+    def _write_dir(self, out_dir: Path) -> None:
         (out_dir / TOKENIZER_SUBDIR).mkdir(parents=True, exist_ok=True)
         state = {
             k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.llm_pt_state_dict().items()
         }
         if self.text_lm_head is None:  # tied: one tensor under both keys, as upstream's file has
             state[TEXT_HEAD_KEY] = state[BACKBONE_PREFIX + "embed_tokens.weight"]
-        torch.save(state, out_dir / LLM_FILE)
+        torch.save(state, out_dir / LLM_FILE)  # out_dir: write_tree's fresh staging dir
         # Upstream's Qwen2Encoder runs Qwen2ForCausalLM.from_pretrained(CosyVoice-BlankEN/) before llm.pt is
         # loaded over it, so the text LM's weights must be there too (HF keys: llm.pt's minus "llm.model.").
         text_lm = {
@@ -247,7 +250,6 @@ class CosyVoice2LM(CachedSpeechLM):
         hf_config.architectures = ["Qwen2ForCausalLM"]
         hf_config.save_pretrained(out_dir / TOKENIZER_SUBDIR)
         self.tokenizer.save_pretrained(str(out_dir / TOKENIZER_SUBDIR))
-        return out_dir
 
     # --- prompts -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ssd.files import write_atomic
+
 BIASED_ARCHITECTURE = "CosyVoice2ForCausalLM"
 
 
@@ -66,7 +68,7 @@ def export_vllm(model: Any, out_dir: str | Path) -> Path:
         hf.save_pretrained(staging, safe_serialization=True)
         config = json.loads((staging / "config.json").read_text())  # save_pretrained names its own class
         config["architectures"] = [BIASED_ARCHITECTURE if biased else "Qwen2ForCausalLM"]
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        write_atomic(staging / "config.json", json.dumps(config, indent=2, sort_keys=True))
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -47,6 +47,19 @@ def load_text_tokenizer(path: str | Path, extra_special_tokens: Sequence[str] = 
     return tokenizer
 
 
+def unknown_words(tokenizer: Any, texts: Iterable[str]) -> list[str]:
+    """The words of `texts` (letters and digits of any script; punctuation around them left out) that
+    `tokenizer` maps to its unknown token: a word-level tokenizer's out-of-vocabulary words. Byte-level BPE
+    tokenizers have none."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    words = {"".join(ch for ch in w if ch.isalnum() or ch in "'-") for text in texts for w in text.split()}
+    words = sorted(w for w in words if any(ch.isalnum() for ch in w))
+    ids = tokenizer(words, add_special_tokens=False).input_ids if words else []
+    return [w for w, piece in zip(words, ids) if unk in piece]
+
+
 def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> None:
     """Add `tokens` as additional special tokens, keeping the ones the tokenizer already has. The keyword that
     keeps them was renamed in transformers 5 (replace_additional_special_tokens -> replace_extra_special_tokens);
@@ -101,7 +114,6 @@ def write_word_tokenizer(
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token=UNK)
     if special_tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
+    from ssd.files import write_tree
+
+    return write_tree(out_dir, lambda staging: tokenizer.save_pretrained(str(staging)))

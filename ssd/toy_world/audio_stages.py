@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 
 from ssd.data.grid_language import GridLanguage
+from ssd.files import write_atomic
 from ssd.toy_world.codec_fit import fit_codec
 from ssd.toy_world.corpus import build_corpus, speaker_bank, subset_wavs
 from ssd.toy_world.stages import StageContext
@@ -30,7 +31,7 @@ def run_corpus(ctx: StageContext) -> dict:
     spk = cfg["speakers"]
     bank = speaker_bank(spk["voices"], spk.get("pitch_cents", [0]), spk.get("tempos", [1.0]))
     language = corpus_language(cfg)
-    (ctx.out_dir / "language.json").write_text(json.dumps(language.slots, indent=1))
+    write_atomic(ctx.out_dir / "language.json", json.dumps(language.slots, indent=1))
     summary = build_corpus(
         ctx.out_dir,
         language,

@@ -29,7 +29,7 @@ from torch import nn
 from ssd.audio.features import mel_filterbank, resample
 from ssd.audio.streaming import ChunkedStream, ChunkSchedule, fade_in_out
 from ssd.contracts import VocoderPrompt
-from ssd.files import read_checkpoint
+from ssd.files import read_checkpoint, write_atomic, write_checkpoint
 
 # Bump when the saved format changes; load() refuses other versions.
 FORMAT_VERSION = 2
@@ -314,23 +314,26 @@ class ToyCodec:
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        np.savez(
+        write_atomic(
             d / "codec.npz",
-            pca_mean=self.pca_mean,
-            pca_components=self.pca_components,
-            centroids=self.centroids,
-            mean_voice=self.mean_voice,
+            lambda f: np.savez(
+                f,
+                pca_mean=self.pca_mean,
+                pca_components=self.pca_components,
+                centroids=self.centroids,
+                mean_voice=self.mean_voice,
+            ),
         )
-        torch.save(self.decoder.state_dict(), d / "decoder.pt")
+        write_checkpoint(d / "decoder.pt", self.decoder.state_dict())
         if self.encoder is not None:
-            torch.save(self.encoder.state_dict(), d / "encoder.pt")
+            write_checkpoint(d / "encoder.pt", self.encoder.state_dict())
         meta = {
             "format_version": FORMAT_VERSION,
             "config": asdict(self.cfg),
             "phones": self.phones,
             "fit_report": self.fit_report,
         }
-        (d / "codec.json").write_text(json.dumps(meta, indent=1))
+        write_atomic(d / "codec.json", json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> ToyCodec:
@@ -351,7 +354,14 @@ class ToyCodec:
                 f"this code reads {FORMAT_VERSION}; rebuild the codec"
             )
         cfg = ToyCodecConfig.from_dict(meta["config"])
-        arrays = np.load(d / "codec.npz")
+        try:  # arrays only: an object array would be unpickled, i.e. could run code
+            with np.load(d / "codec.npz", allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        except Exception as err:  # numpy raises ValueError, OSError, BadZipFile, ... for a bad file
+            raise ValueError(
+                f"{d / 'codec.npz'} is not a readable toy codec array file ({str(err).splitlines()[0][:160]}): "
+                "rebuild the codec (scripts/build_toy_world.py)"
+            ) from None
         decoder = TokenDecoder(cfg)
         decoder.load_state_dict(read_checkpoint(d / "decoder.pt", "toy codec decoder"))
         encoder = None

@@ -26,6 +26,7 @@ import numpy as np
 import soundfile as sf
 
 from ssd.data.grid_language import GridLanguage
+from ssd.files import write_atomic
 
 FLITE_VOICES = ("kal", "kal16", "awb", "rms", "slt")
 
@@ -192,7 +193,7 @@ def flite_phones(word: str, voice: str) -> list[str]:
 
 
 def write_alignment(path: Path, alignment: Sequence[tuple[str, float]]) -> None:
-    path.write_text("".join(f"{phone} {end:.3f}\n" for phone, end in alignment))
+    write_atomic(path, "".join(f"{phone} {end:.3f}\n" for phone, end in alignment))
 
 
 def read_alignment(path: str | Path) -> list[tuple[str, float]]:
@@ -215,10 +216,10 @@ def _write_utterance(args: tuple[Utterance, str, int]) -> float:
     path = utt.wav_path(Path(root))
     path.parent.mkdir(parents=True, exist_ok=True)
     wav, alignment = synthesize(utt.text, utt.speaker, sample_rate)
-    sf.write(path, wav, sample_rate, subtype="PCM_16")
+    write_atomic(path, lambda f: sf.write(f, wav, sample_rate, subtype="PCM_16", format="WAV"))
     write_alignment(path.with_suffix(ALIGNMENT_SUFFIX), alignment)
-    path.with_suffix(".normalized.txt").write_text(utt.text + "\n")
-    path.with_suffix(".original.txt").write_text(utt.text + "\n")
+    write_atomic(path.with_suffix(".normalized.txt"), utt.text + "\n")
+    write_atomic(path.with_suffix(".original.txt"), utt.text + "\n")
     return len(wav) / sample_rate
 
 
@@ -255,7 +256,7 @@ def build_corpus(
         entry = asdict(utt.speaker)
         if entry not in speakers.setdefault(utt.subset, []):
             speakers[utt.subset].append(entry)
-    (root / "speakers.json").write_text(json.dumps(speakers, indent=1))
+    write_atomic(root / "speakers.json", json.dumps(speakers, indent=1))
     per_subset = {s: sum(1 for u in plan if u.subset == s) for s in subsets}
     return {
         "utterances": len(plan),

@@ -19,6 +19,7 @@ import pandas as pd
 
 from ssd.config import compose
 from ssd.config_files import option_node
+from ssd.files import write_atomic
 from ssd.toy_world.audio_stages import corpus_language
 from ssd.toy_world.codec import ToyCodec
 from ssd.toy_world.corpus import flite_phones
@@ -102,7 +103,8 @@ def write_prompt_pairs(shard_dir: Path) -> int:
          "speech_tokens": a["speech_tokens"] + b["speech_tokens"], "duration": a["duration"] + b["duration"]}
         for a, b in zip(rows, rows[1:]) if (a["subset"], a["speaker"]) == (b["subset"], b["speaker"])
     ]  # fmt: skip
-    pq.write_table(pa.Table.from_pylist(pairs, schema=SHARD_SCHEMA), shard_dir / "shard-pairs.parquet")
+    write_atomic(shard_dir / "shard-pairs.parquet",
+                 lambda f: pq.write_table(pa.Table.from_pylist(pairs, schema=SHARD_SCHEMA), f))  # fmt: skip
     return len(pairs)
 
 
@@ -154,7 +156,7 @@ def run_target(ctx: StageContext) -> dict:
 def run_draft(ctx: StageContext) -> dict:
     """Train the toy draft (configs/draft/toy.yaml) against the trained toy target."""
     metrics = _train(ctx, ["draft=toy", f"target.model.model_dir={ctx.inputs['target']}"])
-    shutil.copy(ctx.out_dir / "run" / "draft.pt", ctx.out_dir / "draft.pt")
+    write_atomic(ctx.out_dir / "draft.pt", (ctx.out_dir / "run" / "draft.pt").read_bytes())
     return _scalars(
         metrics,
         (
@@ -317,5 +319,5 @@ def run_summary(ctx: StageContext) -> dict:
         naturalness["generated_ar"] = {r["utt"]: r for r in read_records(ctx.out_dir / "ar" / RESULTS_FILE)}
         summary.update(naturalness_ordering(naturalness, settings.eval.bootstrap_resamples, settings.seed),
                        mos_judge=cfg.mos._target_)  # fmt: skip
-    (ctx.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_atomic(ctx.out_dir / "summary.json", json.dumps(summary, indent=1, default=str))
     return summary

@@ -5,8 +5,9 @@ config section, the world seed, its code version and the hash of the stage befor
 anywhere upstream reaches everything downstream). On a rerun:
 - DONE.json present with the same hash -> skipped;
 - no DONE.json (an interrupted build) or a different hash -> the directory is wiped and redone.
-The builder deletes only dirs it made (each gets `.made_by_toy_world` before anything else is written) and
-refuses any other dir in a stage's place; one build at a time holds the root (`.lock`).
+The builder deletes only dirs it made (each is marked a toy-world stage, `ssd.files.mark_kind`, before
+anything else is written) and refuses any other dir in a stage's place; one build at a time holds the root
+(`.lock`, which marks it a toy world: no training or evaluation writes into it).
 The engine knows no concrete stage: the toy world's stages are `ssd.toy_world.STAGES`.
 """
 
@@ -21,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ssd.files import RunDirLock, write_atomic
+from ssd.files import RunDirLock, dir_kind, mark_kind, write_atomic
 
 DONE_FILE = "DONE.json"
-OWNER_FILE = ".made_by_toy_world"  # written before anything else: the builder only ever deletes dirs it made
+STAGE_KIND = "toy-world stage"  # marked before anything else: the builder only ever deletes dirs it made
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def build_stages(
         raise ValueError(f"build_toy_world: stage names repeat: {names}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with RunDirLock(root, "toy-world build", wait=True):  # parallel sweep jobs wait for one build
+    with RunDirLock(root, "toy world", wait=True):  # parallel sweep jobs wait for one build
         results = _build(stages, world, root, progress, console)
     console.print(summary_table(results))
     return results
@@ -134,10 +135,10 @@ def _build(stages: Sequence[Stage], world: dict, root: Path, progress: bool, con
             results.append(StageResult(stage.name, "skipped", 0.0, h, done.get("summary", {}), out_dir))
         else:
             if out_dir.exists():
-                if done is None and not (out_dir / OWNER_FILE).is_file():
+                if done is None and dir_kind(out_dir)[0] != STAGE_KIND:
                     raise FileExistsError(
-                        f"{out_dir} exists but was not made by the toy-world builder (no {OWNER_FILE}, no "
-                        f"{DONE_FILE}); nothing was deleted. Move it away, or build the world elsewhere "
+                        f"{out_dir} exists but was not made by the toy-world builder (not marked a {STAGE_KIND}, "
+                        f"no {DONE_FILE}); nothing was deleted. Move it away, or build the world elsewhere "
                         "(toy_world.dir=... or paths.data_dir=...)"
                     )
                 why = "inputs changed" if done is not None else "no DONE.json (interrupted build)"
@@ -146,7 +147,7 @@ def _build(stages: Sequence[Stage], world: dict, root: Path, progress: bool, con
             else:
                 console.print(f"[cyan]→[/] {stage.name}: building into {out_dir}")
             out_dir.mkdir(parents=True)
-            (out_dir / OWNER_FILE).write_text(f"made by the toy-world builder (stage {stage.name})\n")
+            mark_kind(out_dir, STAGE_KIND)
             start = time.perf_counter()
             summary = stage.run(StageContext(out_dir, section, world, dict(inputs), progress)) or {}
             seconds = time.perf_counter() - start

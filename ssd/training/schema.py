@@ -3,13 +3,15 @@
 Hydra already rejects a command-line override of a key that does not exist
 (`max_step=5`, `optim.lrr=1`: "Key 'lrr' is not in struct"). This schema also catches what
 struct mode lets through: typos in YAML files (an experiment file writing `optim: {lrr: 1}`),
-appended keys (`+optim.lrr=1`) and wrong types (`max_steps=abc`), at compose time.
+appended keys (`+optim.lrr=1`) and wrong types (`max_steps=abc`), at compose time. `check_schema`
+does it for the sweep's schema too, naming the nearest existing keys.
 Groups (target, draft, data, trainer, logger) are `_target_` nodes: their keys are checked
 against the called class's signature by `check_target_kwargs` before anything is built.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,16 +67,34 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 
 
+def check_schema(cfg: DictConfig, schema: type, what: str) -> DictConfig:
+    """`cfg` merged into the typed `schema` (its `hydra` node left out): a key the schema does not know (a typo,
+    or a key added with `+`) or a value of the wrong type raises ValueError naming the key and the nearest
+    existing ones. Returns the merged config."""
+    body = OmegaConf.to_container(cfg, resolve=False)
+    body.pop("hydra", None)
+    typed = OmegaConf.structured(schema)
+    try:
+        # Merge plain containers: a node already typed by the schema would carry keys Hydra's `+` added.
+        return OmegaConf.merge(typed, body)
+    except Exception as err:  # omegaconf raises several error types; all mean "fix the config"
+        key = str(getattr(err, "full_key", "") or "")
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(typed, parent) if parent else typed
+        known = list(node.keys()) if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(name, known, n=3) if name and name not in known else []
+        hint = (f". Did you mean {' or '.join(repr(f'{parent}.{c}' if parent else c) for c in close)}? An "
+                "existing key is set without '+'" if close else "")  # fmt: skip
+        raise ValueError(
+            f"{what} config does not match {schema.__module__}.{schema.__qualname__}: "
+            f"{str(err).splitlines()[0]}{hint}"
+        ) from err
+
+
 def validate_train_config(cfg: DictConfig) -> DictConfig:
     """Merge cfg into the schema (a config composed without Hydra, e.g. by the toy-world builder,
     gets the same checks) and check the values Hydra cannot type-check; returns the merged config."""
-    try:
-        # Merge plain containers: a node already typed by the schema would carry keys Hydra's `+` added.
-        merged = OmegaConf.merge(
-            OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False)
-        )
-    except Exception as err:  # omegaconf raises several error types; all mean "fix the config"
-        raise ValueError(f"train config does not match ssd.training.schema.TrainConfig: {err}") from err
+    merged = check_schema(cfg, TrainConfig, "train")
     problems = []
     if merged.optim.schedule not in SCHEDULES:
         problems.append(f"optim.schedule={merged.optim.schedule!r} is not one of {list(SCHEDULES)}")

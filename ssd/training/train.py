@@ -5,6 +5,9 @@ when `cfg.train_target`), the DataModule from `cfg.data`, loggers from `cfg.logg
 `cfg.trainer`; measures dev metrics before training, trains, measures again and exports the model.
 A diverged run (non-finite loss) stops with an error and exports nothing.
 
+Every file goes through `ssd.files` (atomic, never through a link), Lightning's checkpoints included
+(`SafeCheckpointIO`); every checkpoint is read with weights only.
+
 Run directory (`cfg.output_dir`):
     checkpoints/last.ckpt          Lightning checkpoint (trainable tensors + optimizer + loop state):
                                    a rerun into the same directory resumes from it
@@ -13,8 +16,9 @@ Run directory (`cfg.output_dir`):
     before_training.json           dev metrics before the first step (kept across resumes)
     run.json                       the target's file fingerprints + the draft recipe: a resume must match them
     metrics.json                   what train() returns (written atomically, like every JSON here)
-    .lock                          held by global rank 0 while a training writes the dir (a second
-                                   training fails at once; other ranks and nodes share the first one's)
+    .lock, .ssd_kind               held by global rank 0 while a training writes the dir (a second
+                                   training fails at once; other ranks and nodes share the first one's);
+                                   the dir is marked a training run: no evaluation or sweep writes into it
     csv/version_N/metrics.csv      CSV log (one version per run or resume), wandb/: W&B mirror
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
@@ -34,6 +37,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -41,7 +45,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from ssd.drafters.base import model_outputs
 from ssd.drafters.layers import describe
-from ssd.files import RunDirLock, fingerprint, fingerprint_changes, write_atomic
+from ssd.files import (
+    RunDirLock,
+    fingerprint,
+    fingerprint_changes,
+    read_checkpoint,
+    run_dir_path,
+    write_atomic,
+    write_checkpoint,
+)
 from ssd.tracking import wandb_mode
 from ssd.training.data import check_text_tokenizer
 from ssd.training.module import SpeechLMTrainingModule
@@ -62,6 +74,19 @@ def export_model(model: torch.nn.Module, path: str | Path, draft: bool) -> Path:
             f"not exporting {path}: trained tensors {broken[:4]} hold NaN/inf (training diverged)"
         )
     return model.save(path) if draft else model.save_dir(path)
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoints (last.ckpt) written by `ssd.files.write_checkpoint` (atomic, never through a
+    link) and read by `read_checkpoint` (weights only: a file whose unpickling would run code is refused)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        write_checkpoint(path, checkpoint)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: Any = None
+    ) -> dict[str, Any]:
+        return read_checkpoint(path, "Lightning checkpoint")
 
 
 class ExportCheckpoint(ModelCheckpoint):
@@ -160,7 +185,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns the dev metrics after training (`dev/...`), before training (`before/dev/...`),
     `global_step` and `export_path` (the final draft.pt or target dir)."""
     cfg = validate_train_config(cfg)
-    output_dir = Path(cfg.output_dir)
+    output_dir = run_dir_path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with training_dir_lock(output_dir):
         return _train(cfg, output_dir)
@@ -184,19 +209,18 @@ def training_dir_lock(output_dir: Path) -> contextlib.AbstractContextManager:
 
 
 def check_checkpoint_loads_safely(path: str | Path) -> None:
-    """Refuse a checkpoint that would run code when unpickled: it must load with torch.load(weights_only=True)
-    (tensors, containers, numbers, strings), as every last.ckpt this code writes does. mmap reads only the
-    pickle, not the tensor data."""
+    """Read the checkpoint a training resumes from before anything else: weights only (`read_checkpoint`:
+    a file whose unpickling would run code is refused, as is a truncated one, each naming the file). mmap
+    reads only the pickle, not the tensor data."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={path} is not a checkpoint file")
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
+        read_checkpoint(path, "Lightning checkpoint (last.ckpt)", mmap=True)
+    except ValueError as err:
         raise ValueError(
-            f"not resuming from {path}: it does not load with weights_only=True, i.e. it holds objects whose "
-            f"unpickling runs code ({str(err).splitlines()[0]}). Resume only from a last.ckpt this code wrote, or "
-            "start a new output_dir"
+            f"not resuming: {err}. Resume only from a last.ckpt this code wrote; to start over, delete it (or "
+            "choose a new output_dir)"
         ) from None
 
 
@@ -240,6 +264,7 @@ def _train(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         callbacks.append(RichProgressBar())
     trainer: L.Trainer = instantiate(
         cfg.trainer,
+        plugins=[SafeCheckpointIO()],
         max_steps=cfg.max_steps,
         val_check_interval=cfg.val_every_steps,
         check_val_every_n_epoch=None,  # validation counts global steps, across epochs
