@@ -245,7 +245,8 @@ def reproduce(
         f"Produced by `python scripts/reproduce.py {name}` (commands: command.txt; commit: git_commit.txt; "
         f"machine: machine.txt). Every number below except the paper's is computed from the run files under "
         f"runs/. A speedup is Σ AR LM time / Σ LM time over the utterances each job timed beside the AR target in "
-        f"its own process, with a 95 % bootstrap CI over utterances: wall clock on this machine, never a GPU "
+        f"its own process, with a 95 % CI over utterances (the ratio estimator's, docs/algorithms.md §4.1): wall "
+        f"clock on this machine, never a GPU "
         f"number.\n",
         f"## The paper\n\n{paper_table(paper)}",
         *sections,
