@@ -11,7 +11,7 @@ install:  ## flite + sox for the toy world (apt), torch (CPU wheel) first, then 
 	$(PY) -m pip install -e ".[judges,dev,slurm]"
 
 test:  ## fast test suite (minutes)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q --durations=15
 
 COMPAT_VENV ?= .venv-compat
 # The tests of every part that calls a versioned API (torch, torchaudio, transformers, lightning, numpy): model

@@ -127,6 +127,7 @@ def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys
         assert exit_info.value.code == 2
 
 
+@pytest.mark.slow  # the batched records' equality is tested in the fast suite (test_runner.py)
 def test_bench_sweep_times_batch_1_against_batched_and_finds_them_identical(micro_world, tmp_path):
     from tests.fixtures_eval import sweep_overrides
 

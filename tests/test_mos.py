@@ -78,6 +78,7 @@ def test_dnsmos_equals_the_speechmos_reference_on_short_and_long_clips(dnsmos, s
             assert ours[key] == pytest.approx(float(theirs[f"{key}_mos"]), abs=1e-5), key
 
 
+@pytest.mark.slow  # the judge's equality with the reference implementation stays in the fast suite
 def test_dnsmos_scores_speech_in_range_and_heavy_noise_lower(dnsmos, speech):
     clean = [dnsmos.score(wav, sr) for wav, sr in speech]
     noisy = [dnsmos.score(_with_noise(wav, 0.0, i), sr) for i, (wav, sr) in enumerate(speech)]
