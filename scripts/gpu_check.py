@@ -53,6 +53,7 @@ STAGE_SHARES = {
     "decoding": 0.25,
     "batch": 0.12,
     "syncs": 0.05,
+    "drafters": 0.1,
 }
 CHECK_STAGES = ("eager", "compiled", "exactness")
 # A small model with a sharp head, so that draft and target laws differ and the chi-square has power.
@@ -224,14 +225,22 @@ def _call_name(k: int) -> str:
     return "decode(1)" if k == 1 else f"verify({k})"
 
 
+def ar_decode(args, target, prompt):
+    """The timed AR decode every speedup is paired with."""
+    return bench.decode_seconds(
+        lambda: decode_ar(
+            target,
+            Request(prompt, args.tokens, args.tokens, bench._generator(args.device)),
+            bench.LAW,
+            _quiet(),
+        )
+    )
+
+
 def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     r, device, tokens = stage.report, args.device, args.tokens
     prompt = bench.make_prompt(shape, args.context)
-    engine_ar = bench.decode_seconds(
-        lambda: decode_ar(
-            target, Request(prompt, tokens, tokens, bench._generator(device)), bench.LAW, _quiet()
-        )
-    )
+    engine_ar = ar_decode(args, target, prompt)
     ar_s, _ = bench.median_run(engine_ar, args.repeats)
     r["engine AR tokens/s"] = tokens / ar_s
     if not args.no_hf and not stage.over("HF generate"):
@@ -260,6 +269,17 @@ def time_decoding(stage: Stage, args, shape: bench.Shape, target, draft) -> None
                               "speedup_ci": [lo, hi], "predicted": predicted})  # fmt: skip
             print(f"   α={alpha} L_d={k}: {tokens / timed['seconds']:.1f} tokens/s, {timed['speedup']:.2f}x "
                   f"[{lo:.2f}, {hi:.2f}] (predicted {predicted:.2f}x)", flush=True)  # fmt: skip
+
+
+def time_drafters(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
+    """Every drafter family (random weights, eager) at L_d = --drafter-len under SYNTHETIC α, beside AR."""
+    if stage.over("drafter families"):
+        return
+    prompt = bench.make_prompt(shape, args.context)
+    k = args.drafter_len
+    t_cost = bench.step_costs(target, prompt, [1, k + 1], args.device, 5 * args.repeats, decode_room(args))
+    stage.report["rows"] = bench.drafter_rows(target, draft, prompt, ar_decode(args, target, prompt), t_cost,
+                                              [max(args.alphas)], args, args.tokens, args.device)  # fmt: skip
 
 
 def time_batches(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
@@ -345,6 +365,14 @@ def summary_md(report: dict) -> str:
         lines += [f"| {r['rule']} | {r['draft_len']} | {r['alpha']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
                   f"[{r['speedup_ci'][0]:.2f}, {r['speedup_ci'][1]:.2f}] | {r['predicted']:.2f}× |"
                   for r in dec.get("runs", [])]  # fmt: skip
+    drafters = report.get("drafters", {}).get("rows", [])
+    if drafters:
+        lines += [f"\n## Drafter families (random weights, eager; SYNTHETIC α, L_d = {drafters[0]['draft_len']})\n",
+                  "| drafter | α | draft cost / round (target calls) | tokens/s | speedup [95% CI] | predicted |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['drafter']} | {r['alpha']:.2f} | {r['draft_per_round']:.3f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['speedup']:.2f}× [{r['speedup_ci'][0]:.2f}, {r['speedup_ci'][1]:.2f}] | {r['predicted']:.2f}× |"
+                  for r in drafters]  # fmt: skip
     rows = report.get("batch", {}).get("rows", [])
     if rows:
         keys = [k for k in rows[0] if k != "batch"]
@@ -410,6 +438,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.shape = "tiny" if args.quick else "cosyvoice2"
     args.context, args.tokens, args.repeats = (32, 12, 2) if args.quick else (200, 100, 6)
     args.draft_lens = [1, 2] if args.quick else [1, 2, 3, 4, 5, 6]
+    args.drafter_len = 2 if args.quick else 3
     args.alphas = [0.8] if args.quick else [0.6, 0.7, 0.8]
     args.batches = [1, 2] if args.quick else [1, 4, 8]
     args.dtypes = ["float32"] if torch.device(args.device).type != "cuda" else ["float32", "bfloat16"]
@@ -452,7 +481,13 @@ def main(argv=None) -> int:
     stage = Stage("exactness", budget["exactness"], report)
     exactness_check(stage, args)
     stage.done()
-    for name, fn in (("decoding", time_decoding), ("batch", time_batches), ("syncs", count_syncs)):
+    stages = (
+        ("decoding", time_decoding),
+        ("drafters", time_drafters),
+        ("batch", time_batches),
+        ("syncs", count_syncs),
+    )
+    for name, fn in stages:
         stage = Stage(name, budget[name], report)
         fn(stage, args, shape, target, draft)
         stage.done()

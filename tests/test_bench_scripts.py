@@ -116,7 +116,10 @@ def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys
     assert (
         report["decoding"]["runs"] and report["batch"]["rows"] and report["syncs"]["torch-function counter"]
     )
-    assert "Correctness" in (tmp_path / "summary.md").read_text()
+    drafters = {r["drafter"] for r in report["drafters"]["rows"]}
+    assert drafters == {"layers (SSD)", "medusa heads", "mtp heads", "eagle (feature)", "block (parallel)"}
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Correctness" in summary and "Drafter families" in summary
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.parse_args(["--device", "cpu"])
     assert exit_info.value.code == 2
