@@ -159,8 +159,10 @@ def decode_speculative(target: SpeechLM, drafter: Drafter, request: Request, sam
         if any_unsettled:
             y = rule.settle(y)
             seqs.settle_last(unsettled, y)
-            if observer.streams:  # the settled token replaced (or, a stop token, ended) the row's last one
-                _, *fresh = seqs.sync(*seqs.since(mark, k + 1))
+            # A settled stop token may end the last active row (this branch reads the host anyway).
+            finished, *fresh = seqs.sync(*seqs.since(mark, k + 1)) if observer.streams else seqs.sync()
+        if settles:  # a finished row's token is never kept, but it is fed to the models: make it an id
+            y = y.clamp_min(0)
         target.rollback(cache, [k - n for n in kept])
         observer.lap("accept")
         _hand_over(observer, fresh)
