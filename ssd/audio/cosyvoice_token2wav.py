@@ -201,25 +201,7 @@ class Token2Wav:
 
     def token2wav(self, tokens: Any, prompt_tokens: Any, feat: Any, embedding: Any) -> Any:
         """Upstream's non-streaming token2wav (token_offset 0, finalize) -> float32 waveform [samples]."""
-        import numpy as np
-
-        torch = self._torch
-        session = str(uuid.uuid1())
-        self.model.hift_cache_dict[session] = None
-        try:
-            with torch.no_grad():
-                wav = self.model.token2wav(
-                    token=torch.as_tensor(np.asarray(tokens), dtype=torch.int32)[None],
-                    prompt_token=torch.as_tensor(np.asarray(prompt_tokens), dtype=torch.int32)[None],
-                    prompt_feat=torch.from_numpy(np.ascontiguousarray(feat, dtype=np.float32)),
-                    embedding=torch.from_numpy(np.ascontiguousarray(embedding, dtype=np.float32)),
-                    token_offset=0,
-                    uuid=session,
-                    finalize=True,
-                )
-        finally:
-            self.model.hift_cache_dict.pop(session, None)
-        return wav.squeeze(0).float().cpu().numpy()
+        return self._call(str(uuid.uuid1()), tokens, prompt_tokens, feat, embedding, 0, True, {})
 
     def stream_chunk(self, session: str, tokens: Any, prompt_tokens: Any, feat: Any, embedding: Any,
                      token_offset: int, finalize: bool) -> Any:  # fmt: skip
@@ -227,14 +209,22 @@ class Token2Wav:
         synthesised, finalize on the last call), with the arguments upstream's tts(stream=True) passes: stream=True
         on the calls before the last where token2wav takes it, none on the last. Its HiFT cache is upstream's
         hift_cache_dict[session], made on the first call and dropped after the last."""
+        if not self.streaming["supported"]:
+            raise ValueError(self.streaming["why"])
+        extra = {"stream": True} if self.streaming["stream_arg"] and not finalize else {}
+        return self._call(
+            session, tokens, prompt_tokens, feat, embedding, int(token_offset), bool(finalize), extra
+        )
+
+    def _call(self, session: str, tokens: Any, prompt_tokens: Any, feat: Any, embedding: Any, token_offset: int,
+              finalize: bool, extra: dict) -> Any:  # fmt: skip
+        """upstream's token2wav for one session; its HiFT cache made on the session's first call (offset 0) and
+        dropped after its last (finalize) or on an error."""
         import numpy as np
 
         torch = self._torch
-        if not self.streaming["supported"]:
-            raise ValueError(self.streaming["why"])
         if token_offset == 0:
             self.model.hift_cache_dict[session] = None
-        extra = {"stream": True} if self.streaming["stream_arg"] and not finalize else {}
         try:
             with torch.no_grad():
                 wav = self.model.token2wav(
@@ -242,9 +232,9 @@ class Token2Wav:
                     prompt_token=torch.as_tensor(np.asarray(prompt_tokens), dtype=torch.int32)[None],
                     prompt_feat=torch.from_numpy(np.ascontiguousarray(feat, dtype=np.float32)),
                     embedding=torch.from_numpy(np.ascontiguousarray(embedding, dtype=np.float32)),
-                    token_offset=int(token_offset),
+                    token_offset=token_offset,
                     uuid=session,
-                    finalize=bool(finalize),
+                    finalize=finalize,
                     **extra,
                 )
         except BaseException:
