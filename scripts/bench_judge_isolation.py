@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import open_dict
 
     from ssd.config import compose
-    from ssd.evaluation import runner
+    from ssd.evaluation import batch, runner
     from ssd.evaluation.items import build_test_list, prepare_item
     from ssd.evaluation.models import load_models
     from ssd.evaluation.settings import RunSettings
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     sr = m.vocoder.sample_rate
     with runner.single_threaded_blas():
-        runner._warm_up(settings, m, items[0])
-        decoded = [runner._timed_decode(settings, m, [it]).result.tokens[0] for it in items]
+        batch.warm_up(settings, m, items[0])
+        decoded = [batch._timed_decode(settings, m, [it]).result.tokens[0] for it in items]
         wavs = [m.vocoder.vocode(np.asarray(m.target.codec_tokens(t), dtype=np.int64), it.vprompt)
                 for t, it in zip(decoded, items)]  # fmt: skip
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     # the interleaved back-to-back decodes too, which the paired ratio alone would hide).
     # (One pass more, dropped: the first passes after loading run slower.)
     first = np.array(
-        [[runner._timed_decode(settings, m, [item]).seconds for item in items] for _ in range(args.reps + 1)]
+        [[batch._timed_decode(settings, m, [item]).seconds for item in items] for _ in range(args.reps + 1)]
     )[1:]
     decode_s = {name: np.zeros((args.reps, len(items))) for name in conditions}
     judge_s = {name: [] for name in conditions}
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     call(wav, item)
                     judge_s[name].append(time.perf_counter() - start)
-                    seconds = runner._timed_decode(settings, m, [item]).seconds
+                    seconds = batch._timed_decode(settings, m, [item]).seconds
                 decode_s[name][rep, i] = seconds
         print(f"repetition {rep + 1}/{args.reps} done", flush=True)
 

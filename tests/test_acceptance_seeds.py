@@ -50,9 +50,9 @@ def test_pcg_table1_compares_every_group_size_with_exact_and_a_size_1_control():
 def test_decode_counts_seed_0_is_the_sweeps_decode_seeds_differ_and_a_rerun_resumes(micro_world, tmp_path):
     """Seed s = 0 is the runner's own per-utterance seed (the sweep's decode); other seeds give other paths.
     The run dir resumes (nothing decoded twice) and refuses another configuration."""
+    from ssd.evaluation.batch import decode_items
     from ssd.evaluation.items import build_test_list, prepare_item
     from ssd.evaluation.models import load_models
-    from ssd.evaluation.runner import decode_items
     from ssd.evaluation.settings import RunSettings
 
     overrides = [o for o in sweep_overrides(micro_world, n_utts=2, max_len=20)] + [

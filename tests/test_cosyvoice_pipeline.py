@@ -599,9 +599,9 @@ class _CeilTokenizer:
 
 @pytest.mark.usefixtures("isolated_imports")
 def test_runner_builds_the_lm_prompt_from_the_vocoders_cut_tokens(tmp_path, tiny_cosyvoice2_dir):
+    from ssd.evaluation.batch import lm_prompt
     from ssd.evaluation.items import prepare_item
     from ssd.evaluation.models import EvalModels
-    from ssd.evaluation.runner import lm_prompt
     from ssd.models.cosyvoice2 import CosyVoice2LM
 
     wav_path = tmp_path / "prompt.wav"

@@ -16,7 +16,8 @@ from ssd.evaluation.judging import mos_fields
 from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.run_dir import METRICS_FILE, RESULTS_FILE, read_records
 from ssd.evaluation.runner import evaluate
-from ssd.evaluation.tables import add_paired_wer, display_table, load_runs
+from ssd.evaluation.sweep_runs import load_runs
+from ssd.evaluation.tables import add_paired_wer, display_table
 from ssd.toy_world.lm_stages import naturalness_ordering
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
 

@@ -13,9 +13,11 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
-from ssd.evaluation import baselines, runner
+from ssd.evaluation import baselines
+from ssd.evaluation import batch as batch_module
 from ssd.evaluation import models as models_module
 from ssd.evaluation.baselines import baseline_key
+from ssd.evaluation.batch import TIMING_KEYS
 from ssd.evaluation.items import utterance_seed, wrong_sentence_texts
 from ssd.evaluation.metrics import bootstrap_ci, paired_speedup_ci, summarize
 from ssd.evaluation.run_dir import (
@@ -26,7 +28,7 @@ from ssd.evaluation.run_dir import (
     TEST_LIST_FILE,
     read_records,
 )
-from ssd.evaluation.runner import TIMING_KEYS, evaluate
+from ssd.evaluation.runner import evaluate
 from ssd.evaluation.schema import MAX_DIRNAME, job_dirname
 from ssd.evaluation.wandb_mirror import wandb_settings
 from tests.fixtures_eval import compose_sweep_config, sweep_overrides
@@ -278,7 +280,7 @@ def _first_tokens(world, setting: list[str], samples: int, tokens: int = 2) -> l
     item = prepare_item(models, settings.seed, 0, pair, None, {})
     batch = [replace(item, seed=1000 + s) for s in range(samples)]
     with torch.inference_mode():
-        result, _, _ = runner.decode_items(settings, models, batch, max_tokens=tokens)
+        result, _, _ = batch_module.decode_items(settings, models, batch, max_tokens=tokens)
     return [tuple(t) for t in result.tokens]
 
 
@@ -378,7 +380,7 @@ def test_a_batched_run_writes_the_records_of_batch_1(micro_world, tmp_path, mode
 def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_path, monkeypatch):
     """The timed items are decoded twice (batched, then alone): tokens that differ mean the engine is not
     batch-invariant, and the run stops instead of writing records that depend on the batch."""
-    decode = runner.decode_items
+    decode = batch_module.decode_items
 
     def alone_differs(settings, m, items, max_tokens=None, decoder=None, observer=None):
         result, lo, hi = decode(settings, m, items, max_tokens, decoder, observer)
@@ -386,7 +388,7 @@ def test_a_batch_that_decodes_otherwise_than_alone_is_refused(micro_world, tmp_p
             result.tokens[0] = result.tokens[0][:-1]
         return result, lo, hi
 
-    monkeypatch.setattr(runner, "decode_items", alone_differs)
+    monkeypatch.setattr(batch_module, "decode_items", alone_differs)
     with pytest.raises(RuntimeError, match="not batch-invariant.*eval.batch_size=1"):
         evaluate(_cfg(micro_world, "eval.batch_size=2", "eval.timed_utts=1", n_utts=2), tmp_path / "run")
     assert not (tmp_path / "run" / RESULTS_FILE).exists()  # nothing batch-dependent was written
@@ -399,14 +401,14 @@ def test_each_timed_item_is_timed_beside_its_baseline_in_alternating_order(
     """The speedup comes from pairs timed in one process: each timed item is decoded alone by the run's decoder
     and by the AR baseline, the baseline first on even items and second on odd ones (so neither side always
     runs right after the judges); speedup = Σ AR time / Σ own time over the pairs, with a bootstrap CI."""
-    calls, timed_decode = [], runner._timed_decode
+    calls, timed_decode = [], batch_module._timed_decode
 
     def logged(settings, m, items, decoder=None):
         out = timed_decode(settings, m, items, decoder)
         calls.append(("baseline" if decoder is not None else "own", [it.index for it in items], out[2]))
         return out
 
-    monkeypatch.setattr(runner, "_timed_decode", logged)
+    monkeypatch.setattr(batch_module, "_timed_decode", logged)
     metrics = evaluate(_cfg(micro_world, f"eval.batch_size={batch}", "eval.timed_utts=2"), tmp_path / "run")
     alone = [(who, items[0]) for who, items, _ in calls if len(items) == 1]
     assert alone == [("baseline", 0), ("own", 0), ("own", 1), ("baseline", 1)] + (

@@ -14,7 +14,8 @@ from ssd.evaluation.metrics import paired_vs_ar, summarize
 from ssd.evaluation.report import aggregate
 from ssd.evaluation.run_dir import ERROR_FILE, METRICS_FILE, RESULTS_FILE
 from ssd.evaluation.selection import matching_row, select_setting
-from ssd.evaluation.tables import display_table, load_runs, setting_keys
+from ssd.evaluation.sweep_runs import load_runs, setting_keys
+from ssd.evaluation.tables import display_table
 from tests.fixtures_eval import REPO
 
 

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from ssd.data.grid_language import GridLanguage
 from ssd.toy_world import STAGES, build_toy_world
-from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, phone_state_labels
-from ssd.toy_world.codec_fit import fit_codec
+from ssd.toy_world.codec import ToyCodec, ToyCodecConfig
+from ssd.toy_world.codec_fit import fit_codec, phone_state_labels
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, ToySpeaker, flite_phones, read_alignment, synthesize
 from ssd.toy_world.stages import DONE_FILE, Stage
 

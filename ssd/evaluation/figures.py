@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ssd.evaluation.tables import DECODING_KEYS, SYMBOLS, _label, reference_rows, setting_keys, verified_rows
+from ssd.evaluation.sweep_runs import setting_keys
+from ssd.evaluation.tables import DECODING_KEYS, SYMBOLS, _label, reference_rows, verified_rows
 
 
 def _curves(frame: pd.DataFrame, keys: list[str]):

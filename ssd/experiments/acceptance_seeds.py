@@ -56,10 +56,10 @@ def decode_counts(
     from omegaconf import open_dict
     from tqdm import tqdm
 
+    from ssd.evaluation.batch import decode_items
     from ssd.evaluation.items import build_test_list, prepare_item, utterance_seed
     from ssd.evaluation.models import load_models
     from ssd.evaluation.run_dir import RunDir, append_record, read_records, run_inputs
-    from ssd.evaluation.runner import decode_items
     from ssd.evaluation.settings import RunSettings
 
     cfg = cfg.copy()

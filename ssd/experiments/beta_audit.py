@@ -19,7 +19,8 @@ import pandas as pd
 
 from ssd.decoding.acceptance import ToleranceRule
 from ssd.evaluation.run_dir import RESULTS_FILE, read_records
-from ssd.evaluation.tables import load_runs, to_markdown
+from ssd.evaluation.sweep_runs import load_runs
+from ssd.evaluation.tables import to_markdown
 from ssd.experiments import StudyResult
 from ssd.files import save_figure, write_atomic
 

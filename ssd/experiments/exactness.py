@@ -24,7 +24,8 @@ from omegaconf import DictConfig
 
 from ssd.evaluation.metrics import chi_square_homogeneity, paired_differences, repeat_rate
 from ssd.evaluation.run_dir import RESULTS_FILE, read_records
-from ssd.evaluation.tables import load_runs, to_markdown
+from ssd.evaluation.sweep_runs import load_runs
+from ssd.evaluation.tables import to_markdown
 from ssd.experiments import StudyResult
 from ssd.files import save_figure, write_atomic
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from ssd.audio.features import mel_filterbank, resample
 from ssd.audio.streaming import ChunkedStream, ChunkSchedule, fade_in_out
 from ssd.contracts import VocoderPrompt
 from ssd.files import read_checkpoint, write_atomic, write_checkpoint
+from ssd.toy_world.codec_nets import PhoneticEncoder, TokenDecoder
 
 # Bump when the saved format changes; load() refuses other versions.
 FORMAT_VERSION = 2
@@ -101,58 +101,6 @@ class ToyCodecConfig:
         return cls(**d)
 
 
-class TokenDecoder(nn.Module):
-    """tokens [B, T] + voice [B, n_mels] -> log-magnitude [B, n_freq, T * frames_per_token] (or log-mel)."""
-
-    def __init__(self, cfg: ToyCodecConfig) -> None:
-        super().__init__()
-        c = cfg.decoder_channels
-        self.frames_per_token = cfg.frames_per_token
-        self.embed = nn.Embedding(cfg.codebook_size, c)
-        self.voice = nn.Linear(cfg.n_mels, c)
-        self.token_convs = nn.ModuleList(
-            nn.Conv1d(c, c, 3, padding=2**i, dilation=2**i) for i in range(cfg.decoder_token_layers)
-        )
-        self.frame_convs = nn.ModuleList(
-            nn.Conv1d(c, c, 5, padding=2) for _ in range(cfg.decoder_frame_layers)
-        )
-        n_out = cfg.n_mels if cfg.decoder_target == "log_mel" else cfg.n_fft // 2 + 1
-        self.out = nn.Conv1d(c, n_out, 1)
-
-    def forward(self, tokens: torch.Tensor, voice: torch.Tensor) -> torch.Tensor:
-        v = self.voice(voice)[:, :, None]
-        x = self.embed(tokens).transpose(1, 2) + v
-        for conv in self.token_convs:
-            x = x + torch.nn.functional.gelu(conv(x))
-        x = x.repeat_interleave(self.frames_per_token, dim=2)
-        for conv in self.frame_convs:
-            x = x + torch.nn.functional.gelu(conv(x + v))
-        return self.out(x)
-
-
-class PhoneticEncoder(nn.Module):
-    """Mean-removed log-mel [B, n_mels, T] -> bottleneck features [B, D, T]; `classify` -> phone-state logits."""
-
-    def __init__(self, cfg: ToyCodecConfig, n_classes: int) -> None:
-        super().__init__()
-        c = cfg.encoder_channels
-        self.inp = nn.Conv1d(cfg.n_mels, c, 5, padding=2)
-        self.convs = nn.ModuleList(
-            nn.Conv1d(c, c, 5, padding=2 * 2**i, dilation=2**i) for i in range(cfg.encoder_layers)
-        )
-        self.bottleneck = nn.Conv1d(c, cfg.encoder_bottleneck, 1)
-        self.classify = nn.Conv1d(cfg.encoder_bottleneck, n_classes, 1)
-
-    def features(self, normed_log_mel: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.gelu(self.inp(normed_log_mel))
-        for conv in self.convs:
-            x = x + torch.nn.functional.gelu(conv(x))
-        return self.bottleneck(x)
-
-    def forward(self, normed_log_mel: torch.Tensor) -> torch.Tensor:
-        return self.classify(self.features(normed_log_mel))
-
-
 def frame_features(log_mel: torch.Tensor, encoder: PhoneticEncoder | None) -> torch.Tensor:
     """Per-frame features the tokens are clustered from [D, frames]: the utterance-mean-removed log-mel,
     through the phonetic encoder when there is one."""
@@ -169,20 +117,6 @@ def stack_frames(frames: torch.Tensor, frames_per_token: int) -> np.ndarray:
     """[D, frames] -> [T_tok, D * frames_per_token]: the frames of each 25 Hz token side by side."""
     t = frames.shape[1] // frames_per_token
     return frames[:, : t * frames_per_token].T.reshape(t, frames.shape[0] * frames_per_token).numpy()
-
-
-def phone_state_labels(
-    alignment: Sequence[tuple[str, float]], n_frames: int, cfg: ToyCodecConfig, phones: dict[str, int]
-) -> torch.Tensor:
-    """Class per 100 Hz frame: phone index * phone_states + which part of the phone the frame's centre is in."""
-    centres = np.arange(n_frames) * cfg.hop_length / cfg.sample_rate  # centred STFT frames
-    ends = np.array([end for _, end in alignment])
-    starts = np.concatenate([[0.0], ends[:-1]])
-    seg = np.minimum(np.searchsorted(ends, centres, side="right"), len(ends) - 1)
-    position = (centres - starts[seg]) / np.maximum(ends[seg] - starts[seg], 1e-6)
-    state = np.clip((position * cfg.phone_states).astype(int), 0, cfg.phone_states - 1)
-    ids = np.array([phones[p] for p, _ in alignment])[seg]
-    return torch.from_numpy(ids * cfg.phone_states + state)
 
 
 class ToyCodec:

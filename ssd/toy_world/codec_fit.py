@@ -13,16 +13,23 @@ import soundfile as sf
 import torch
 
 from ssd.audio.features import mel_filterbank
-from ssd.toy_world.codec import (
-    PhoneticEncoder,
-    TokenDecoder,
-    ToyCodec,
-    ToyCodecConfig,
-    frame_features,
-    phone_state_labels,
-    stack_frames,
-)
+from ssd.toy_world.codec import ToyCodec, ToyCodecConfig, frame_features, stack_frames
+from ssd.toy_world.codec_nets import PhoneticEncoder, TokenDecoder
 from ssd.toy_world.corpus import ALIGNMENT_SUFFIX, read_alignment
+
+
+def phone_state_labels(
+    alignment: Sequence[tuple[str, float]], n_frames: int, cfg: ToyCodecConfig, phones: dict[str, int]
+) -> torch.Tensor:
+    """Class per 100 Hz frame: phone index * phone_states + which part of the phone the frame's centre is in."""
+    centres = np.arange(n_frames) * cfg.hop_length / cfg.sample_rate  # centred STFT frames
+    ends = np.array([end for _, end in alignment])
+    starts = np.concatenate([[0.0], ends[:-1]])
+    seg = np.minimum(np.searchsorted(ends, centres, side="right"), len(ends) - 1)
+    position = (centres - starts[seg]) / np.maximum(ends[seg] - starts[seg], 1e-6)
+    state = np.clip((position * cfg.phone_states).astype(int), 0, cfg.phone_states - 1)
+    ids = np.array([phones[p] for p, _ in alignment])[seg]
+    return torch.from_numpy(ids * cfg.phone_states + state)
 
 
 def fit_codec(
