@@ -8,15 +8,14 @@ experiment driver and the toy-world builder both turn config values into command
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from ssd.config_files import CONFIG_MODULE
+from ssd.config_files import CONFIG_MODULE, check_choices
 
 
 def register() -> None:
@@ -44,31 +43,6 @@ def compose(config_name: str, overrides: Sequence[str] = (), with_hydra: bool = 
         with open_dict(cfg):
             del cfg["hydra"]
     return cfg
-
-
-def check_choices(cfg: DictConfig, choices: Mapping[str, str | None]) -> None:
-    """Refuse a config group option that does not exist (`asr=whispr`): Hydra skips a missing option of an
-    `optional` defaults entry without a word. A group's default named after the target (`asr: ${target}`) is
-    left to the run's own check, which says which group to choose. Needs an initialized Hydra (inside an app
-    or `compose`); a no-op elsewhere."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    if not GlobalHydra.instance().is_initialized():
-        return
-    loader = GlobalHydra.instance().config_loader()
-    target = OmegaConf.select(cfg, "target.name", default=None)
-    problems = []
-    for group, option in choices.items():
-        if group.startswith("hydra") or option is None or option == target:
-            continue
-        valid = loader.get_group_options(group)
-        if valid and option not in valid:
-            close = difflib.get_close_matches(option, valid, n=1)
-            guess = f" did you mean {group}={close[0]}?" if close else ""
-            problems.append(f"{group}={option}: no such option (no configs/{group}/{option}.yaml);{guess} "
-                            f"choose one of {valid}")  # fmt: skip
-    if problems:
-        raise ValueError("; ".join(problems))
 
 
 class NoLinkedHydraFiles(Callback):
@@ -104,40 +78,3 @@ class NoLinkedHydraFiles(Callback):
                     refuse_links(run_dir / name)
         except ValueError as err:
             raise SystemExit(str(err)) from None
-
-
-# ---- override strings ------------------------------------------------------------------------------
-
-
-def override_key(override: str) -> str:
-    """'eval.n_utts=4' -> 'eval.n_utts'; '+x=1' -> 'x'; '~x' -> 'x'."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def override_value(value: Any) -> str:
-    """A config value as Hydra override text (lists as [a,b], None as null)."""
-    if isinstance(value, (ListConfig, DictConfig)):
-        value = OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(override_value(v) for v in value) + "]"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def as_overrides(values: Any) -> list[str]:
-    """{key: value} (a config node or dict) as `key=value` overrides."""
-    plain = OmegaConf.to_container(values, resolve=True) if isinstance(values, DictConfig) else values
-    return [f"{k}={override_value(v)}" for k, v in (plain or {}).items()]
-
-
-def merge_overrides(*groups: Sequence[str]) -> list[str]:
-    """Concatenate override lists; for a key given twice the later one wins (Hydra refuses duplicates)."""
-    merged: dict[str, str] = {}
-    for group in groups:
-        for override in group:
-            merged.pop(override_key(override), None)
-            merged[override_key(override)] = override
-    return list(merged.values())

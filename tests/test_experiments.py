@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.config import merge_overrides, override_value
-from ssd.config_files import group_options
+from ssd.config_files import group_options, merge_overrides, override_value
 from ssd.evaluation.metrics import chi_square_homogeneity, repeat_rate
 from ssd.experiments.driver import load_experiment
 from ssd.experiments.exactness import exactness_chi_square

@@ -31,7 +31,7 @@ class AggregateOnMultirunEnd(Callback):
     `ssd.evaluation.report.aggregate` on the sweep dir and prints the markdown table."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from ssd.config import override_value
+        from ssd.config_files import override_value
         from ssd.files import mark_kind, run_dir_path
 
         try:

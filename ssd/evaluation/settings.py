@@ -53,7 +53,7 @@ class RunSettings:
         from hydra.utils import get_class
 
         if HydraConfig.initialized():
-            from ssd.config import check_choices
+            from ssd.config_files import check_choices
 
             check_choices(cfg, HydraConfig.get().runtime.choices)  # an option that names no config file
         elif OmegaConf.is_interpolation(cfg, "output_dir"):

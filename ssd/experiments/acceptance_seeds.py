@@ -30,7 +30,8 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from ssd.config import as_overrides, compose
+from ssd.config import compose
+from ssd.config_files import as_overrides
 from ssd.evaluation.metrics import bootstrap_ci
 from ssd.evaluation.tables import to_markdown
 from ssd.experiments import StudyResult

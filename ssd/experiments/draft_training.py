@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ssd.config import as_overrides, merge_overrides, override_key
+from ssd.config_files import as_overrides, merge_overrides, override_key
 from ssd.evaluation.tables import build_table, to_markdown
 from ssd.experiments import StudyResult
 

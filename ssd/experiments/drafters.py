@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ssd.config import as_overrides, compose, merge_overrides
+from ssd.config import compose
+from ssd.config_files import as_overrides, merge_overrides
 from ssd.evaluation.tables import build_table, display_table, to_markdown
 from ssd.experiments import StudyResult
 from ssd.files import save_figure

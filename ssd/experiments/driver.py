@@ -24,8 +24,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssd.config import as_overrides, compose, merge_overrides, override_key, override_value
-from ssd.config_files import group_options
+from ssd.config import compose
+from ssd.config_files import as_overrides, group_options, merge_overrides, override_key, override_value
 from ssd.evaluation.provenance import CommandLog, git_description, machine_description
 from ssd.evaluation.report import aggregate
 from ssd.evaluation.run_dir import BASELINES_DIR, METRICS_FILE
