@@ -377,6 +377,32 @@ def test_cosyvoice3_target_and_draft_configs_instantiate(tmp_path, draft_name):
     assert decode_a_few_tokens(draft.model, target.make_prompt(["set red"])).shape == (1, 3)
 
 
+@pytest.mark.parametrize("family", ["heads", "mtp", "eagle", "block"])
+def test_each_drafter_family_decodes_cosyvoice3_under_its_law(tmp_path, family):
+    """The drafter families' CosyVoice 3 configs build on its 24 layers and decode through its 200 special
+    rows: every emitted token is a speech code or ends the row with a stop token."""
+    from hydra.utils import instantiate
+
+    from ssd.decoding.acceptance import ExactRule
+    from ssd.decoding.generate import Request, decode_speculative
+    from ssd.decoding.observe import Instruments
+    from tests.fixtures_models import make_tiny_cosyvoice3_dir
+    from tests.test_model_configs import compose_target_draft
+
+    model_dir = make_tiny_cosyvoice3_dir(tmp_path / "deep", num_hidden_layers=24, hidden_size=16,
+                                         intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    cfg = compose_target_draft("cosyvoice3", f"{family}_cosyvoice3", f"target.model.model_dir={model_dir}")
+    target = instantiate(cfg.target.model)
+    sampling = instantiate(cfg.target.sampling, stop_tokens=list(target.stop_tokens))
+    drafter = instantiate(cfg.draft, target=target)
+    prompt = target.make_prompt(["set red at one"])
+    request = Request(prompt, 12, 2, generator=torch.Generator().manual_seed(0))
+    result = decode_speculative(target, drafter, request, sampling, ExactRule(), 3, Instruments())
+    tokens = result.tokens[0]
+    assert 2 <= len(tokens) <= 12 and all(0 <= t < target.speech_token_size for t in tokens)
+    assert result.stats.rounds >= 1
+
+
 def test_static_decode_step_compiles_whole_and_matches_eager(tiny_cosyvoice3_dir):
     """CosyVoice 3's step (speech_embedding rows in, bias-free head out) compiles without a graph break,
     one graph per block length, with the eager path's logits (the script of tests/test_compile.py)."""
