@@ -44,7 +44,7 @@ reproduce-toy:  ## every paper table/figure on the toy world into experiments/re
 bench:  ## decoding benchmark (toy + CosyVoice 2 shapes): engine vs HF generate/assisted, AR vs speculative, syncs, batch
 	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decoding.py --shape both --out experiments/results/bench_decoding
 
-gpu-check:  ## one-shot CUDA check (< 8 min on an H200): compiled == eager, exactness, timings -> experiments/results/gpu_engine/
+gpu-check:  ## one-shot CUDA check (< 8 min on an H200): compiled == eager, exactness, timings, FSDP training -> experiments/results/gpu_engine/
 	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py
 
 .PHONY: help install test test-compat test-slow lint toy reproduce-toy bench gpu-check

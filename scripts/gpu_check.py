@@ -10,7 +10,9 @@ Stages (each stops at its share of --budget seconds and says what it skipped):
   decoding    HF generate vs this engine's AR; AR vs speculative under SYNTHETIC α (fixed acceptance:
               random weights make real α meaningless), L_d 1-6, with the speedup predicted from α, c, v;
   batch       tokens/s at batch 1, 4, 8 (AR and speculative);
-  syncs       host syncs per round (torch-function counter and CUDA's sync debug mode).
+  syncs       host syncs per round (torch-function counter and CUDA's sync debug mode);
+  fsdp        a short `train_draft.py trainer=fsdp` of the micro toy world's draft on up to 2 GPUs: it
+              finishes and its draft.pt loads as evaluation loads it (CUDA only: Lightning's FSDP refuses a CPU).
 Writes results.json and summary.md to --out (default experiments/results/gpu_engine/); exit code 1 when a
 correctness check fails, 2 when there is no CUDA device (unless --device cpu --quick, which runs the same
 code at a tiny shape on CPU for tests).
@@ -23,7 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -47,21 +53,29 @@ from ssd.files import write_atomic  # noqa: E402
 DEFAULT_OUT = bench.REPO / "experiments" / "results" / "gpu_engine"
 # Share of the budget each stage may use (the rest is slack for model building and compilation).
 STAGE_SHARES = {
-    "eager": 0.1,
-    "compiled": 0.3,
-    "exactness": 0.08,
-    "decoding": 0.25,
-    "batch": 0.12,
+    "eager": 0.09,
+    "compiled": 0.26,
+    "exactness": 0.07,
+    "decoding": 0.22,
+    "batch": 0.1,
     "syncs": 0.05,
-    "drafters": 0.1,
+    "drafters": 0.09,
+    "fsdp": 0.12,
 }
-CHECK_STAGES = ("eager", "compiled", "exactness")
+CHECK_STAGES = ("eager", "compiled", "exactness", "fsdp")
 # A small model with a sharp head, so that draft and target laws differ and the chi-square has power.
 EXACTNESS_SHAPE = bench.Shape(64, 4, 4, 2, 128, 13, (0,), text_vocab=50)
 P_REJECT = 1e-3
 # Compiled vs eager logits: max |diff| / max |eager logit|.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 GREEDY = SamplingConfig(temperature=0)
+# The micro toy world's stages a draft training reads (its target and token shards); its own draft and
+# summary stages (most of its build time) are not needed.
+TRAINING_WORLD_STAGES = ("corpus", "codec", "tokens", "target")
+FSDP_STEPS = 4
+FSDP_NEEDS_CUDA = (
+    "Lightning's FSDP needs CUDA (FSDPStrategy refuses a CPU accelerator; on CPU, trainer=ddp_sim)"
+)
 
 
 class Stage:
@@ -332,6 +346,76 @@ def count_syncs(stage: Stage, args, shape: bench.Shape, target, draft) -> None:
     print(f"   {json.dumps(stage.report, default=str)[:400]}", flush=True)
 
 
+def train_micro_draft(work: Path, trainer: list[str], timeout_s: float) -> dict:
+    """`python train_draft.py toy_world=micro <trainer> max_steps=FSDP_STEPS` into `work`, on the micro toy
+    world's target and shards (built here first, under `work`): the exported draft.pt loaded as evaluation
+    loads it (`load_draft` on its target). Raises TimeoutError past `timeout_s` (the run killed) and
+    RuntimeError when the training fails, with its output's tail and the command."""
+    from rich.console import Console
+
+    from ssd.config import compose
+    from ssd.drafters.layers import load_draft
+    from ssd.models.cosyvoice2 import CosyVoice2LM
+    from ssd.toy_world import STAGES, build_toy_world
+
+    start = time.perf_counter()
+    world_overrides = ["toy_world=micro", f"paths.data_dir={work / 'data'}"]
+    world = compose("build_toy_world", world_overrides).toy_world
+    stages = [s for s in STAGES if s.name in TRAINING_WORLD_STAGES]
+    build_toy_world(world, world.dir, progress=False, console=Console(quiet=True), stages=stages)
+    run_dir = work / "run"
+    overrides = [*world_overrides, *world.draft.overrides, *trainer, f"max_steps={FSDP_STEPS}",
+                 f"val_every_steps={FSDP_STEPS // 2}", "logger=csv"]  # fmt: skip
+    cmd = [sys.executable, str(bench.REPO / "train_draft.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    log = work / "train.log"
+    with log.open("w") as out:  # its own session: a timeout kills Lightning's processes of the other GPUs too
+        proc = subprocess.Popen(cmd, cwd=bench.REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise TimeoutError(f"the training ran past {timeout_s:.0f} s and was stopped") from None
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"exit code {proc.returncode}: {log.read_text()[-3000:]}\n(command: {' '.join(cmd)})"
+        )
+    cfg = compose("train_draft", overrides)
+    draft = load_draft(run_dir / "draft.pt", CosyVoice2LM.from_dir(cfg.target.model.model_dir))
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    return {
+        "steps": step,
+        "draft_layers": list(draft.recipe.layers),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def fsdp_training(stage: Stage, args) -> None:
+    """A short training with trainer=fsdp on this machine's GPUs (up to 2): it finishes, its draft loads."""
+    if torch.device(args.device).type != "cuda":
+        stage.report["not_run"] = FSDP_NEEDS_CUDA
+        print(f"   fsdp: not run: {FSDP_NEEDS_CUDA}", flush=True)
+        return
+    gpus = min(2, torch.cuda.device_count())
+    name = f"FSDP training ({gpus} GPU, {FSDP_STEPS} steps) exports a draft that loads"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_fsdp_") as work:
+        try:
+            run = train_micro_draft(Path(work), ["trainer=fsdp", f"trainer.devices={gpus}"], stage.budget_s)
+        except TimeoutError as err:
+            stage.report["skipped"].append(f"FSDP training ({err}; raise --budget)")
+            return
+        except Exception as err:  # the check fails, the report is still written
+            stage.report["checks"] = {name: {"value": f"{type(err).__name__}: see fsdp.error", "ok": False}}
+            stage.report["error"] = f"{type(err).__name__}: {err}"
+            return
+    ok = run["steps"] == FSDP_STEPS
+    stage.report.update(run)
+    stage.report["checks"] = {name: {"value": f"{run['steps']} steps, {run['seconds']:.0f} s", "ok": ok}}
+    print(f"   {json.dumps(stage.report, default=str)[:400]}", flush=True)
+
+
 def all_checks(report: dict) -> dict:
     return {name: c for st in CHECK_STAGES for name, c in report.get(st, {}).get("checks", {}).items()}
 
@@ -393,6 +477,8 @@ def summary_md(report: dict) -> str:
             lines.append(
                 f"- speculative (CUDA sync debug mode): {syncs['CUDA sync debug mode, speculative']['per_round']:.1f}"
             )
+    not_run = {name: s["not_run"] for name, s in report.items() if isinstance(s, dict) and s.get("not_run")}
+    lines += [f"\nNot run: {name}: {reason}" for name, reason in not_run.items()]
     skipped = {name: s["skipped"] for name, s in report.items() if isinstance(s, dict) and s.get("skipped")}
     if skipped:
         lines.append(f"\nSkipped (over budget): {skipped}")
@@ -491,6 +577,11 @@ def main(argv=None) -> int:
         stage = Stage(name, budget[name], report)
         fn(stage, args, shape, target, draft)
         stage.done()
+    target = draft = None  # the training subprocess gets the GPU memory
+    torch.cuda.empty_cache()
+    stage = Stage("fsdp", budget["fsdp"], report)
+    fsdp_training(stage, args)
+    stage.done()
 
     report["seconds"] = time.perf_counter() - start
     failed = [n for n, c in all_checks(report).items() if not c["ok"]]

@@ -129,14 +129,19 @@ def write_micro_config(world: MicroWorld, config_dir: Path, n_utts: int = 4, max
     return config_dir
 
 
-def run_sweep(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """`python sweep.py <args>` in a subprocess from the repo root (HF offline, W&B offline)."""
+def sweep_env() -> dict[str, str]:
+    """The environment of a test's `python sweep.py` subprocess: HF offline, W&B offline and silent."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def run_sweep(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """`python sweep.py <args>` in a subprocess from the repo root (`sweep_env`)."""
     return subprocess.run(
         [sys.executable, str(REPO / "sweep.py"), *args],
         cwd=REPO,
-        env=env,
+        env=sweep_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

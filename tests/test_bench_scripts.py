@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys
     assert drafters == {"layers (SSD)", "medusa heads", "mtp heads", "eagle (feature)", "block (parallel)"}
     summary = (tmp_path / "summary.md").read_text()
     assert "Correctness" in summary and "Drafter families" in summary
+    assert report["fsdp"]["not_run"] == gpu_check.FSDP_NEEDS_CUDA and not any("FSDP" in n for n in checks)
+    assert f"Not run: fsdp: {gpu_check.FSDP_NEEDS_CUDA}" in summary
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.parse_args(["--device", "cpu"])
     assert exit_info.value.code == 2
@@ -128,6 +131,17 @@ def test_gpu_check_runs_on_cpu_when_quick_and_refuses_otherwise(tmp_path, capsys
         with pytest.raises(SystemExit) as exit_info:
             gpu_check.parse_args([])
         assert exit_info.value.code == 2
+
+
+def test_gpu_checks_fsdp_stage_trains_the_micro_draft_and_loads_it_with_the_cpu_trainer(tmp_path):
+    """The fsdp stage's world, command and load check, with trainer=cpu: Lightning runs FSDP on CUDA only,
+    where `make gpu-check` runs this same path with trainer=fsdp."""
+    for tool in ("flite", "sox"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"the toy world needs `{tool}` (apt-get install -y flite sox)")
+    gpu_check = load_script("gpu_check")
+    run = gpu_check.train_micro_draft(tmp_path, ["trainer=cpu"], timeout_s=900)
+    assert run["steps"] == gpu_check.FSDP_STEPS and run["draft_layers"]
 
 
 @pytest.mark.slow  # the batched records' equality is tested in the fast suite (test_runner.py)

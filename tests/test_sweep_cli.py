@@ -3,6 +3,7 @@ job that does not stop the sweep, W&B offline, and resume after a kill."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from tests.fixtures_eval import (
     REPO,
     compose_sweep_config,
     run_sweep,
+    sweep_env,
     write_micro_config,
 )
 
@@ -45,14 +47,14 @@ def test_eval_configs_document_the_paper_setting():
     assert compose_sweep_config(["eval=toy_dev"]).eval.subsets[0] == "dev-clean"
 
 
-@pytest.mark.parametrize("launcher", ["joblib", "submitit_slurm"])
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_slurm", "submitit_local"])
 def test_launcher_configs_compose_render_and_build(launcher, tmp_path):
     cfg = compose_sweep_config([f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}"], with_hydra=True)
     rendered = OmegaConf.to_yaml(cfg.hydra.launcher, resolve=True)
     assert "_target_" in rendered
     pytest.importorskip(f"hydra_plugins.hydra_{launcher.split('_')[0]}_launcher")  # optional extras
     launcher_obj = instantiate(cfg.hydra.launcher)  # the plugin accepts every field we set
-    assert type(launcher_obj).__name__ in ("JoblibLauncher", "SlurmLauncher")
+    assert type(launcher_obj).__name__ in ("JoblibLauncher", "SlurmLauncher", "LocalLauncher")
     if launcher == "submitit_slurm":
         assert str(tmp_path) in cfg.hydra.launcher.submitit_folder
 
@@ -177,6 +179,61 @@ def test_killed_run_resumes_without_loss_or_duplicates(micro_world, tmp_path):
     assert len(utts) == len(set(utts)) == 5
     assert final[: len(written)] == written
     assert json.loads((run_dir / METRICS_FILE).read_text())["num_utterances"] == 5
+
+
+def _kill_a_launched_sweep_then_resume(micro_world, tmp_path, launcher: list[str]) -> None:
+    """`python sweep.py -m <launcher> beta=0,0.4` killed (its whole process group: the launcher's workers
+    too) once a job has written a record, then the same command again into the same sweep dir: every job
+    finishes with its whole test list, the records written before the kill kept, none twice."""
+    n = 3
+    config_dir = write_micro_config(micro_world, tmp_path / "conf", n_utts=n, max_len=15)
+    sweep_dir = tmp_path / "sweep"
+    # No AR baseline and no MOS judge (each job would load one): the resume of the launcher's jobs is what is
+    # tested. Batches of 1: a job writes its records one by one, so the kill lands inside a job's list.
+    args = ["--config-dir", str(config_dir), "--config-name", "micro_sweep", "-m", "logger=none",
+            "auto_baseline=false", "mos=none", "eval.batch_size=1", "beta=0,0.4", "draft_len=2",
+            f"hydra.sweep.dir={sweep_dir}", *launcher]  # fmt: skip
+    log = tmp_path / "killed_sweep.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "sweep.py"), *args], cwd=REPO, env=sweep_env(),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 600  # generous: this machine may be paused by other work
+    while not any(read_records(p) for p in sweep_dir.glob(f"*/{RESULTS_FILE}")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):  # whatever of the sweep still runs
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(
+                f"no job wrote a record before the sweep ended (rc {proc.poll()}):\n{log.read_text()[-3000:]}"
+            )
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {job.name: read_records(job / RESULTS_FILE) for job in _job_dirs(sweep_dir)}
+    assert not all((sweep_dir / name / METRICS_FILE).is_file() for name in before), "the kill came too late"
+
+    again = run_sweep(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    jobs = _job_dirs(sweep_dir)
+    assert [job.name.split(",")[0] for job in jobs] == ["beta=0", "beta=0.4"]
+    for job in jobs:
+        records = read_records(job / RESULTS_FILE)
+        utts = [r["utt"] for r in records]
+        assert len(utts) == len(set(utts)) == n, job.name
+        assert records[: len(before.get(job.name, []))] == before.get(job.name, []), job.name
+        assert json.loads((job / METRICS_FILE).read_text())["num_utterances"] == n
+
+
+def test_a_joblib_sweep_killed_midway_resumes_every_job(micro_world, tmp_path):
+    _kill_a_launched_sweep_then_resume(
+        micro_world, tmp_path, ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    )
+
+
+def test_a_submitit_local_sweep_killed_midway_resumes_every_job(micro_world, tmp_path):
+    # submitit's local executor runs each job under a controller process that it starts in our process group
+    # (no new session), so killing the group kills the controllers and their jobs with the sweep.
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")  # pip install -e ".[slurm]"
+    _kill_a_launched_sweep_then_resume(micro_world, tmp_path, ["hydra/launcher=submitit_local"])
 
 
 def test_a_sweep_without_ar_gets_its_speedup_and_paired_wer_from_one_shared_baseline(micro_world, tmp_path):
