@@ -47,6 +47,16 @@ def test_utterance_seed_is_stable_and_depends_on_seed_and_utt():
     assert 0 <= utterance_seed(123, "x") < 2**63
 
 
+def test_settings_from_a_config_composed_with_hydras_node_resolve_without_a_run():
+    """The experiment driver composes with Hydra's own node (its sweeper params); the settings must still
+    resolve outside a Hydra run, without that node."""
+    from ssd.config import compose
+    from ssd.evaluation.settings import RunSettings
+
+    settings = RunSettings.from_config(compose("sweep", ["decoding=ar"], with_hydra=True))
+    assert "hydra" not in settings.resolved and settings.resolved["output_dir"] is None
+
+
 def test_read_records_sets_a_half_written_last_line_aside(tmp_path):
     path = tmp_path / RESULTS_FILE
     path.write_text(json.dumps({"utt": "a"}) + "\n" + json.dumps({"utt": "b"}) + "\n" + '{"utt": "c", "tok')

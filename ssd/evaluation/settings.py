@@ -56,10 +56,12 @@ class RunSettings:
             from ssd.config_files import check_choices
 
             check_choices(cfg, HydraConfig.get().runtime.choices)  # an option that names no config file
-        elif OmegaConf.is_interpolation(cfg, "output_dir"):
-            cfg = cfg.copy()  # composed outside a Hydra run (the API, tests): no run dir is named yet
+        elif OmegaConf.is_interpolation(cfg, "output_dir") or "hydra" in cfg:
+            cfg = cfg.copy()  # composed outside a Hydra run (the API, the experiment driver): no run dir yet
             with open_dict(cfg):
-                cfg.output_dir = None
+                cfg.pop("hydra", None)  # Hydra's own node resolves only inside a run
+                if OmegaConf.is_interpolation(cfg, "output_dir"):
+                    cfg.output_dir = None
         validate_sweep_config(cfg, tuple(get_class(cfg.decoding._target_).needs))
         decoder = instantiate_part(cfg.decoding, "decoding")
         return cls(
