@@ -45,6 +45,7 @@ class RowRandom:
         self.seeds = tuple(seeds)
         self.keys = _mix(torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.long, device=device))
         self.drawn = 0  # numbers drawn per row so far (host-side: advancing it needs no sync)
+        self._block: _Block | None = None
 
     @classmethod
     def from_generator(cls, generator: torch.Generator | None, batch: int, device=None) -> RowRandom:
@@ -80,29 +81,56 @@ class RowRandom:
         sub = RowRandom.__new__(RowRandom)
         index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
         sub.seeds = tuple(self.seeds[i] for i in index.tolist())
-        sub.keys, sub.drawn = self.keys[index], self.drawn
+        sub.keys, sub.drawn, sub._block = self.keys[index], self.drawn, None
         return sub
 
     def bits(self, n: int) -> torch.Tensor:
         """[B, n] int64 of 64 random bits each; advances every row's stream by n."""
-        counter = torch.arange(self.drawn + 1, self.drawn + n + 1, device=self.keys.device, dtype=torch.long)
-        self.drawn += n
-        return _mix(self.keys[:, None] + counter * _GOLDEN)
+        return self._take(n, None)
 
     def uniform(self, n: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[B, n] uniform in [0, 1), with as many random bits as `dtype` holds (24 or 53)."""
-        return _uniform(self.bits(n), dtype)
+        return self._take(n, dtype)
+
+    def _take(self, n: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """The next n numbers of every row (bits, or uniforms of `dtype`), from a block mixed ahead of time.
+        The stream is counter-based, so a block of BLOCK counters mixed at once holds exactly the numbers that
+        one-at-a-time mixing gives; a decode draws a few numbers per step, and mixing them one call at a time
+        cost ~20 small tensor ops each (what a CPU decode step is made of)."""
+        block = self._block
+        if block is None or not block.start <= self.drawn or self.drawn + n > block.start + block.size:
+            block = self._block = _Block(self.keys, self.drawn, max(n, BLOCK))
+        offset = self.drawn - block.start
+        self.drawn += n
+        return block.get(dtype)[:, offset : offset + n]
 
     def uniforms(self, *spec: tuple[int, torch.dtype]) -> list[torch.Tensor]:
-        """uniform(n, dtype) for each (n, dtype) of `spec`, the same numbers as successive calls, drawn at once
-        (a rule that needs many small draws a round pays for the mixing once)."""
-        bits = self.bits(sum(n for n, _ in spec))
-        converted = {dtype: _uniform(bits, dtype) for dtype in {dtype for _, dtype in spec}}
-        out, start = [], 0
-        for n, dtype in spec:
-            out.append(converted[dtype][:, start : start + n])
-            start += n
-        return out
+        """uniform(n, dtype) for each (n, dtype) of `spec`: successive calls, mixed as one block when they fit
+        in one."""
+        total = sum(n for n, _ in spec)
+        if self._block is None or self.drawn + total > self._block.start + self._block.size:
+            self._block = _Block(self.keys, self.drawn, max(total, BLOCK))
+        return [self._take(n, dtype) for n, dtype in spec]
+
+
+BLOCK = 64  # counters mixed at once per row stream
+
+
+class _Block:
+    """Counters start + 1 .. start + size of every row, mixed at once; their uniforms converted per dtype on
+    first use."""
+
+    def __init__(self, keys: torch.Tensor, start: int, size: int) -> None:
+        self.start, self.size = start, size
+        counter = torch.arange(start + 1, start + size + 1, device=keys.device, dtype=torch.long)
+        self.converted: dict[torch.dtype | None, torch.Tensor] = {
+            None: _mix(keys[:, None] + counter * _GOLDEN)
+        }
+
+    def get(self, dtype: torch.dtype | None) -> torch.Tensor:
+        if dtype not in self.converted:
+            self.converted[dtype] = _uniform(self.converted[None], dtype)
+        return self.converted[dtype]
 
 
 def _uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
