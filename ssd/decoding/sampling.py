@@ -11,6 +11,7 @@ analytic certificates pass float64).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -147,15 +148,18 @@ def distribution(
     n_rows, vocab = logits.shape
     step = torch.as_tensor(step, device=logits.device).expand(n_rows)
     min_len = torch.as_tensor(min_len, device=logits.device).expand(n_rows)
-    stop = torch.tensor(cfg.forbidden_before_min_len, dtype=torch.long, device=logits.device)
-    forbid_stop = (step < min_len) if len(stop) else None
+    # [N, V]: the stop tokens forbidden in each row at this step (None: the law forbids none)
+    forbidden = (
+        (step < min_len)[:, None] & _columns(cfg.forbidden_before_min_len, vocab, logits.device)
+        if cfg.forbidden_before_min_len
+        else None
+    )
     masking = cfg.eos_mode in ("mask", "mask_eos") or cfg.greedy
 
     if cfg.repetition_penalty is not None and window is not None:
         logits = _repetition_penalty(logits, window, cfg.repetition_penalty)
-    if forbid_stop is not None and masking:
-        logits = logits.clone()
-        logits[forbid_stop.nonzero()[:, :1], stop] = float("-inf")
+    if forbidden is not None and masking:
+        logits = logits.masked_fill(forbidden, float("-inf"))
 
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(logits.dtype)
@@ -165,9 +169,8 @@ def distribution(
     nucleus = _nucleus(cfg, logits, probs)
     law = nucleus if cfg.ras_window == 0 else _ras(cfg, nucleus, probs, window)
 
-    if forbid_stop is not None and not masking:
-        law = law.clone()
-        law[forbid_stop.nonzero()[:, :1], stop] = 0.0
+    if forbidden is not None and not masking:
+        law = law.masked_fill(forbidden, 0.0)
         mass = law.sum(-1, keepdim=True)
         hopeless = mass.squeeze(-1) == 0
         if hopeless.any():
@@ -180,6 +183,15 @@ def distribution(
             law[hopeless], mass[hopeless] = masked, 1.0
         law = law / mass
     return law
+
+
+@functools.cache
+def _columns(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] bool, True at `tokens` (made once per law, vocabulary and device: a decode step would otherwise
+    build it every call)."""
+    columns = torch.zeros(vocab, dtype=torch.bool, device=device)
+    columns[list(tokens)] = True
+    return columns
 
 
 def _repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -199,15 +211,13 @@ def _nucleus(cfg: SamplingConfig, logits: torch.Tensor, probs: torch.Tensor) -> 
     if cfg.nucleus == "cosyvoice":
         # Descending stable sort, as CosyVoice's loop walks it.
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p
-        rank = torch.arange(vocab, device=probs.device)
-        keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
         if cfg.top_p is not None:
-            keep_sorted &= mass_before < cfg.top_p
+            keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < cfg.top_p  # the mass before a token < top_p
+        else:
+            keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
         if cfg.top_k is not None:
-            keep_sorted &= rank < cfg.top_k
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        kept = torch.where(keep, probs, torch.zeros_like(probs))
+            keep_sorted[..., cfg.top_k :] = False
+        kept = probs * torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # probs * 1 is probs
         return kept / kept.sum(-1, keepdim=True)
 
     # HF rule: TopKLogitsWarper then TopPLogitsWarper on the renormalised result.
@@ -235,8 +245,8 @@ def _ras(cfg: SamplingConfig, nucleus: torch.Tensor, probs: torch.Tensor, window
     counts = torch.zeros(n_rows, vocab + 1, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(1, torch.where(valid, window, vocab), valid.to(probs.dtype))
     repeated = counts[:, :vocab] >= cfg.ras_window * cfg.ras_tau
-    kept = torch.where(repeated, torch.zeros_like(nucleus), nucleus)
-    rejected = torch.where(repeated, nucleus, torch.zeros_like(nucleus))
+    kept = nucleus.masked_fill(repeated, 0.0)
+    rejected = nucleus - kept  # exactly the nucleus mass of the repeated ids, 0 elsewhere
     if cfg.ras_variant == "classic":
         return kept + rejected.sum(-1, keepdim=True) * probs
     # Fallback excludes the repeated id x: p(y)[y != x] / (1 - p(x)), weighted by n(x).
