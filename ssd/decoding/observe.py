@@ -174,7 +174,7 @@ class Instruments(Observer):
         self.rule: Any = None
         self.calls: list[torch.Tensor] = []  # AR: the rows active at each step
         self.rounds: list[tuple[int, torch.Tensor]] = []  # (k, n accepted per row, -1 where finished)
-        self.proposed = self.accepted = self.overlap = self.tv = None
+        self.overlap = self.tv = None  # diagnostic sums [B, positions]
         self.audits: list[
             tuple[torch.Tensor, torch.Tensor]
         ] = []  # per round: (fields [B, k, F], kept [B, k])
@@ -205,22 +205,20 @@ class Instruments(Observer):
         self.calls.append(active.clone())
 
     def round(self, k, xs, ps, qs, n_acc, active) -> None:
+        # Only the verdicts are kept per round; the tallies are derived from them at the end (`result`), so a
+        # round without diagnostics costs the decode one small op.
+        self.rounds.append((k, torch.where(active, n_acc, -1)))
+        if not self.diagnostics:
+            return
         batch, device = n_acc.shape[0], n_acc.device
-        if self.proposed is None:
-            self.proposed = torch.zeros(batch, self.positions, dtype=torch.long, device=device)
-            self.accepted = self.proposed.clone()
+        if self.overlap is None:
             zeros = torch.zeros(batch, self.positions, dtype=torch.float64, device=device)
-            self.overlap = zeros.clone() if self.diagnostics else None
+            self.overlap = zeros.clone()
             self.tv = zeros.clone() if self.track_tv else None
         self._widen(k)
         pos = torch.arange(k, device=device)
         reached = (pos <= n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
         kept = (pos < n_acc.unsqueeze(-1)) & active.unsqueeze(-1)
-        self.proposed[:, :k] += reached
-        self.accepted[:, :k] += kept
-        self.rounds.append((k, torch.where(active, n_acc, -1)))
-        if not self.diagnostics:
-            return
         q = qs[:, :k]
         self.overlap[:, :k] += torch.where(reached, torch.minimum(ps, q).sum(-1).double(), 0.0)
         if self.tv is not None:
@@ -231,25 +229,34 @@ class Instruments(Observer):
         self.lap("diagnostics")
 
     def _widen(self, k: int) -> None:
-        """Grow the per-position tallies to k positions (adaptive draft lengths)."""
-        extra = k - self.proposed.shape[1]
+        """Grow the per-position diagnostic sums to k positions (adaptive draft lengths)."""
+        extra = k - self.overlap.shape[1]
         if extra > 0:
             pad = torch.nn.functional.pad
-            self.proposed, self.accepted = pad(self.proposed, (0, extra)), pad(self.accepted, (0, extra))
-            self.overlap = None if self.overlap is None else pad(self.overlap, (0, extra))
+            self.overlap = pad(self.overlap, (0, extra))
             self.tv = None if self.tv is None else pad(self.tv, (0, extra))
+
+    def _tallies(self, verdicts: torch.Tensor, width: int) -> tuple[list, list]:
+        """(proposed, accepted) [B][width] per row from the verdicts [B, rounds] (-1: finished): draft position i
+        of a round was reached when i <= n kept, and kept when i < n, within the round's k."""
+        ks = torch.tensor([k for k, _ in self.rounds], device=verdicts.device)
+        pos = torch.arange(width, device=verdicts.device)[:, None]  # [width, 1] against [B, 1, rounds]
+        live, n = (verdicts >= 0)[:, None], verdicts[:, None]
+        within = pos < ks
+        proposed = (live & within & (pos <= n)).sum(-1)
+        accepted = (live & within & (pos < n)).sum(-1)
+        return proposed.tolist(), accepted.tolist()
 
     # --- the end: one read of everything ----------------------------------------------------------------
     def result(self, counts: list[int]) -> tuple[DecodeStats, list[dict]]:
         stats = DecodeStats(tokens=sum(counts))
         for phase, seconds in self.clock.totals().items():
             setattr(stats, f"time_{phase}", seconds)
-        if self.proposed is None:
+        if not self.rounds:
             rows = self._ar_rows(counts)
             stats.target_calls = len(self.calls)
         else:
-            per_round = torch.stack([n for _, n in self.rounds], 1).tolist()  # [row][round], -1: finished
-            rows = self._speculative_rows(counts, per_round)
+            rows, per_round = self._speculative_rows(counts)
             stats.rounds = stats.target_calls = len(self.rounds)
             stats.draft_len_per_round = [k for k, _ in self.rounds]
             stats.draft_calls = sum(stats.draft_len_per_round)
@@ -272,11 +279,14 @@ class Instruments(Observer):
             for c, n in zip(calls, counts)
         ]  # fmt: skip
 
-    def _speculative_rows(self, counts: list[int], per_round: list[list[int]]) -> list[dict]:
-        """One dict per row (the DecodeResult.rows contract); the only device reads of the tallies."""
+    def _speculative_rows(self, counts: list[int]) -> tuple[list[dict], list[list[int]]]:
+        """One dict per row (the DecodeResult.rows contract) and each row's verdict per round (-1: finished); the
+        only device reads of the tallies."""
         draft_len = [k for k, _ in self.rounds]
-        proposed, accepted = self.proposed.tolist(), self.accepted.tolist()
-        width = self.proposed.shape[1]
+        verdicts = torch.stack([n for _, n in self.rounds], 1)  # [row, round], -1: finished
+        width = max(self.positions, *draft_len)
+        proposed, accepted = self._tallies(verdicts, width)
+        per_round = verdicts.tolist()
         overlap = self.overlap.tolist() if self.overlap is not None else [None] * len(counts)
         if self.tv is not None:
             tv = self.tv.tolist()
@@ -294,7 +304,7 @@ class Instruments(Observer):
             })  # fmt: skip
             if audits[b] is not None:
                 rows[-1]["beta_audit"] = audits[b]
-        return rows
+        return rows, per_round
 
     def _audit_rows(self, batch: int, width: int) -> list[dict | None]:
         """Per row: {field: [value per kept draft token, in order]} (one device read), or None without audit."""
