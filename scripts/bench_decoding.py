@@ -61,6 +61,7 @@ from ssd.models.cosyvoice2 import CosyVoice2LM, CosyVoice2Prompt  # noqa: E402
 from ssd.models.export import hf_causal_lm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+PARTS = ("syncs", "sampler", "speculative", "drafters", "batch")  # the optional sections, in run order
 
 
 @dataclass(frozen=True)
@@ -377,10 +378,12 @@ def bench_shape(name: str, args, log=print) -> dict:
     res: dict = {"shape": name, "architecture": vars(shape) | {"vocab": target.vocab_size}, "context": args.context,
                  "tokens": tokens, "device": device, "dtype": args.dtype}  # fmt: skip
 
-    log(f"[{name}] host syncs per round")
-    res["syncs"] = {"eager cache path": syncs_per_round(target, draft, prompt, min(tokens, 24), 3)}
-    with static_cache_path(target, draft):  # the cache path a compiled step uses, here without compiling
-        res["syncs"]["static cache path"] = syncs_per_round(target, draft, prompt, min(tokens, 24), 3)
+    parts = args.parts
+    if "syncs" in parts:
+        log(f"[{name}] host syncs per round")
+        res["syncs"] = {"eager cache path": syncs_per_round(target, draft, prompt, min(tokens, 24), 3)}
+        with static_cache_path(target, draft):  # the cache path a compiled step uses, here without compiling
+            res["syncs"]["static cache path"] = syncs_per_round(target, draft, prompt, min(tokens, 24), 3)
 
     if args.compile:  # after the sync count: a function mode over a compiled step would recompile it
         log(f"[{name}] compiling the decode steps (mode {args.compile_mode})")
@@ -398,30 +401,47 @@ def bench_shape(name: str, args, log=print) -> dict:
     res["costs"] = {"target_ms": {k: 1e3 * v for k, v in t_cost.items()}, "draft_decode_ms": 1e3 * d_cost[1],
                     "c": c, "v": {k - 1: t_cost[k] / t_cost[1] for k in blocks if k > 1}}  # fmt: skip
 
-    log(f"[{name}] sampler cost")
-    rows = sorted({b * m for b in batches for m in (1, *(k + 1 for k in draft_lens))})
-    res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
+    if "sampler" in parts:
+        log(f"[{name}] sampler cost")
+        rows = sorted({b * m for b in batches for m in (1, *(k + 1 for k in draft_lens))})
+        res["sampler"] = sampler_costs(target.vocab_size, rows, device, max(3, 3 * repeats))
 
     log(f"[{name}] AR: this engine vs HF generate")
     engine_ar = decode_seconds(lambda: decode_ar(target, Request(prompt, tokens, tokens, _generator(device)), LAW,
                                                  Instruments(diagnostics=False)))  # fmt: skip
-    hf = hf_draft = None
-    if args.no_hf:
+    hf = None  # HF's side: the same weights as HF causal LMs, their AR call and its prompt ids
+    if args.no_hf or not {"ar", "speculative", "batch"} & parts:
         ar_s, _ = median_run(engine_ar, repeats)
         res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s}
     else:
-        hf, hf_draft = hf_causal_lm(target), hf_causal_lm(draft.model)
         input_ids = torch.randint(
             0, shape.speech_tokens, (1, args.context), generator=torch.Generator().manual_seed(1)
         ).to(device)
-        hf_ar = hf_generate(hf, input_ids, tokens, device)
-        versus = paired(hf_ar, engine_ar, repeats)  # the engine's AR timed beside HF generate
+        hf = {"model": hf_causal_lm(target), "draft": hf_causal_lm(draft.model), "input_ids": input_ids}
+        hf["ar"] = hf_generate(hf["model"], input_ids, tokens, device)
+        versus = paired(hf["ar"], engine_ar, repeats)  # the engine's AR timed beside HF generate
         ar_s, hf_s = versus["seconds"], versus["baseline_seconds"]
         res["ar"] = {"engine_tokens_per_s": tokens / ar_s, "engine_s": ar_s, "hf_tokens_per_s": tokens / hf_s,
                      "hf_s": hf_s, "engine_vs_hf": versus["speedup"], "engine_vs_hf_ci": versus["speedup_ci"],
-                     "pairs": repeats, "hf_max_abs_logit_diff": hf_logits_match(target, hf, prompt)}  # fmt: skip
+                     "pairs": repeats, "hf_max_abs_logit_diff": hf_logits_match(target, hf["model"], prompt)}  # fmt: skip
 
-    log(f"[{name}] speculative: exact rule vs HF assisted; synthetic α")
+    if "speculative" in parts:
+        log(f"[{name}] speculative: exact rule vs HF assisted; synthetic α")
+        res["speculative"] = speculative_rows(target, draft, prompt, engine_ar, t_cost, c, hf, args, draft_lens,
+                                              alphas)  # fmt: skip
+    if "drafters" in parts:
+        log(f"[{name}] drafter families (SYNTHETIC α, L_d = {args.drafter_len})")
+        res["drafters"] = drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens, device)
+    if "batch" in parts:
+        log(f"[{name}] batch throughput")
+        res["batch"] = batch_rows(shape, target, draft, hf, args, draft_lens, batches, alphas)
+    return res
+
+
+def speculative_rows(target, draft, prompt, engine_ar, t_cost, c, hf, args, draft_lens, alphas) -> list[dict]:
+    """This engine under the exact rule and SYNTHETIC α at each L_d (and padded verify rows), and HF assisted
+    generation (`hf`: HF's side, None to skip it), each timed beside its own AR."""
+    device, tokens, repeats = args.device, args.tokens, args.repeats
     runs = []
     rules = [("exact (random-weight α)", ExactRule())] + [
         (f"SYNTHETIC α={a}", SyntheticRule(a)) for a in alphas
@@ -445,19 +465,20 @@ def bench_shape(name: str, args, log=print) -> dict:
                          "tokens_per_target_forward": tokens / (result.stats.target_calls + 1)})  # fmt: skip
     if hf is not None:
         for k in [*draft_lens, None]:
-            pin_assistant(hf_draft, k)
-            timed = paired(hf_ar, hf_generate(hf, input_ids, tokens, device, assistant=hf_draft), repeats)
+            pin_assistant(hf["draft"], k)
+            timed = paired(hf["ar"], hf_generate(hf["model"], hf["input_ids"], tokens, device, assistant=hf["draft"]),
+                           repeats)  # fmt: skip
             runs.append({"system": "HF assisted", "rule": "HF speculative sampling (random-weight α)",
                          "draft_len": k if k is not None else "HF default", "tokens_per_s": tokens / timed["seconds"],
                          "speedup": timed["speedup"], "speedup_ci": timed["speedup_ci"], "pairs": repeats,
                          "tokens_per_target_forward": tokens / max(1, timed["last"])})  # fmt: skip
-    res["speculative"] = runs
+    return runs
 
-    log(f"[{name}] drafter families (SYNTHETIC α, L_d = {args.drafter_len})")
-    res["drafters"] = drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens, device)
 
-    log(f"[{name}] batch throughput")
-    res["batch"] = []
+def batch_rows(shape, target, draft, hf, args, draft_lens, batches, alphas) -> list[dict]:
+    """Tokens/s of all rows at each batch size: the engine's AR and speculative decodes, HF generate."""
+    device, tokens, repeats = args.device, args.tokens, args.repeats
+    out = []
     k_batch = 3 if 3 in draft_lens else draft_lens[0]
     for b in batches:
         batch_prompt = make_prompt(shape, args.context, b)
@@ -470,11 +491,11 @@ def bench_shape(name: str, args, log=print) -> dict:
         row |= {"engine_ar_tokens_per_s": b * tokens / ar_b,
                 f"engine_speculative_tokens_per_s (SYNTHETIC α={max(alphas)}, L_d={k_batch})": b * tokens / sp_b}  # fmt: skip
         if hf is not None:
-            ids = input_ids.expand(b, -1).contiguous()
-            hf_b, _ = median_run(hf_generate(hf, ids, tokens, device), repeats)
+            ids = hf["input_ids"].expand(b, -1).contiguous()
+            hf_b, _ = median_run(hf_generate(hf["model"], ids, tokens, device), repeats)
             row["hf_generate_tokens_per_s"] = b * tokens / hf_b
-        res["batch"].append(row)
-    return res
+        out.append(row)
+    return out
 
 
 def drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens: int, device) -> list[dict]:
@@ -530,21 +551,24 @@ def markdown(results: dict) -> str:
                           [[f"target {'decode(1)' if k == 1 else f'verify({k})'}", _f(ms), _f(ms / cost['target_ms'][1])]
                            for k, ms in cost["target_ms"].items()]
                           + [["draft decode(1)", _f(cost["draft_decode_ms"]), f"c = {_f(cost['c'], 3)}"]]))  # fmt: skip
-        out.append("\n### Sampler (distribution + sample) per step\n")
-        out.append(
-            _table(["law", "rows", "ms"], [[s["law"], s["rows"], _f(s["ms"], 3)] for s in res["sampler"]])
-        )
-        out.append("\n### Host syncs per round\n")
+        if "sampler" in res:
+            out.append("\n### Sampler (distribution + sample) per step\n")
+            out.append(
+                _table(["law", "rows", "ms"], [[s["law"], s["rows"], _f(s["ms"], 3)] for s in res["sampler"]])
+            )
         rows = []
-        for path_name, per_mode in res["syncs"].items():
+        for path_name, per_mode in res.get("syncs", {}).items():
             for mode, s in per_mode.items():
                 calls = ", ".join(f"{k} {v}" for k, v in s["by_call"].items())
                 rows.append([path_name, mode, _f(s["per_round"], 1), _f(s["per_decode"], 1), calls])
-        out.append(
-            _table(
-                ["cache path", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"], rows
+        if rows:
+            out.append("\n### Host syncs per round\n")
+            out.append(
+                _table(
+                    ["cache path", "decode", "syncs / round", "+ syncs / decode", "calls (longer decode)"],
+                    rows,
+                )
             )
-        )
         ar = res["ar"]
         out.append("\n### AR, batch 1\n")
         line = f"this engine {_f(ar['engine_tokens_per_s'], 1)} tokens/s (median)"
@@ -553,33 +577,38 @@ def markdown(results: dict) -> str:
                      f"({ar['pairs']} pairs timed side by side); same weights: max |Δ logit| "
                      f"{ar['hf_max_abs_logit_diff']:.1e}")  # fmt: skip
         out.append(line)
-        out.append(
-            "\n### Speculative, batch 1 (speedup vs the same system's AR, timed side by side, 95 % CI)\n"
-        )
-        out.append(_table(
+        if "speculative" in res:
+            out.append(
+                "\n### Speculative, batch 1 (speedup vs the same system's AR, timed side by side, 95 % CI)\n"
+            )
+            out.append(_table(
             ["system", "rule", "L_d", "tokens/s", "α", "tokens / target forward", "speedup [95% CI]", "pairs",
              "predicted", "meas/pred [95% CI]"],
             [[r["system"], r["rule"], r["draft_len"], _f(r["tokens_per_s"], 1), _f(r.get("alpha")),
               _f(r["tokens_per_target_forward"]), _ci(r["speedup"], r["speedup_ci"]), r["pairs"], _f(r.get("predicted")),
               _ci(r["speedup"] / r["predicted"], [x / r["predicted"] for x in r["speedup_ci"]]) if r.get("predicted") else "—"]
              for r in res["speculative"]],
-        ))  # fmt: skip
-        out.append(
-            "\n### Drafter families, batch 1, SYNTHETIC α (speedup vs AR timed side by side, 95 % CI)\n"
-        )
-        out.append(_table(
+            ))  # fmt: skip
+        if "drafters" in res:
+            out.append(
+                "\n### Drafter families, batch 1, SYNTHETIC α (speedup vs AR timed side by side, 95 % CI)\n"
+            )
+            out.append(_table(
             ["drafter", "α", "L_d", "drafting / round (target calls)", "tokens/s", "speedup [95% CI]", "pairs",
              "predicted", "meas/pred [95% CI]"],
             [[r["drafter"], _f(r["alpha"]), r["draft_len"], _f(r["draft_per_round"], 3), _f(r["tokens_per_s"], 1),
               _ci(r["speedup"], r["speedup_ci"]), r["pairs"], _f(r["predicted"]),
               _ci(r["speedup"] / r["predicted"], [x / r["predicted"] for x in r["speedup_ci"]])]
-             for r in res.get("drafters", [])],
-        ))  # fmt: skip
-        out.append("\n### Batch throughput (tokens/s, all rows)\n")
-        keys = [k for k in res["batch"][0] if k != "batch"]
-        out.append(
-            _table(["batch", *keys], [[r["batch"], *(_f(r.get(k), 1) for k in keys)] for r in res["batch"]])
-        )
+             for r in res["drafters"]],
+            ))  # fmt: skip
+        if "batch" in res:
+            out.append("\n### Batch throughput (tokens/s, all rows)\n")
+            keys = [k for k in res["batch"][0] if k != "batch"]
+            out.append(
+                _table(
+                    ["batch", *keys], [[r["batch"], *(_f(r.get(k), 1) for k in keys)] for r in res["batch"]]
+                )
+            )
     return "\n".join(out) + "\n"
 
 
@@ -592,7 +621,7 @@ def figure(results: dict, path: Path) -> None:
     shapes = results["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, res in zip(axes[0], shapes):
-        engine_runs = [r for r in res["speculative"] if r["system"] == "engine"]
+        engine_runs = [r for r in res.get("speculative", []) if r["system"] == "engine"]
         for i, rule in enumerate(dict.fromkeys(r["rule"] for r in engine_runs)):
             runs = [r for r in engine_runs if r["rule"] == rule and isinstance(r["draft_len"], int)]
             ks = [r["draft_len"] for r in runs]
@@ -661,10 +690,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode for --compile")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate / assisted rows")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated sections to run (per-call costs and AR always): {','.join(PARTS)}")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.context, args.tokens, args.repeats = min(args.context, 32), min(args.tokens, 12), 2
         args.draft_lens, args.alphas, args.batches, args.drafter_len = "1,2", "0.8", "1,2", 2
+    args.parts = set(filter(None, args.parts.split(",")))
+    if args.parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from {','.join(PARTS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     return args
