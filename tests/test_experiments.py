@@ -136,6 +136,22 @@ def test_draft_training_trains_the_papers_draft_kd_and_more_layers_and_evaluates
     assert max(len(v["draft.trainable"]) for v in variants.values()) > len(paper["draft.trainable"])
 
 
+def test_drafters_long_trains_its_families_where_the_drafters_study_does_not():
+    """Each longer-trained family has its own checkpoint file (so the 300-step study's drafters are neither
+    reused nor overwritten), and the study's sweep loads that file."""
+    from ssd.config import compose
+
+    cfg = load_experiment("drafters_long")
+    families = cfg.reproduce.drafters.train.families
+    assert set(families) == {"eagle", "mtp"} and cfg.reproduce.drafters.train.common.max_steps > 300
+    for name, settings in families.items():
+        study_file = compose("sweep", [f"draft={name}"]).draft.checkpoint
+        assert settings["draft.checkpoint"] != study_file
+        swept = compose("sweep", ["experiment=drafters_long", f"draft={name}",
+                                  f"draft.checkpoint={settings['draft.checkpoint']}"]).draft  # fmt: skip
+        assert swept.checkpoint == settings["draft.checkpoint"] and swept.name == name
+
+
 def test_unknown_experiment_names_the_choices():
     with pytest.raises(ValueError, match="table1_main"):
         load_experiment("table_9")
