@@ -56,6 +56,7 @@ class Groups:
         self.group_of = torch.repeat_interleave(
             torch.arange(len(self.sizes)), self.sizes
         )  # group of each entry
+        self.slots = torch.arange(self.width)  # a member's place in its padded group
 
     @classmethod
     def from_lists(cls, lists: list[torch.Tensor]) -> Groups:
@@ -92,7 +93,7 @@ class Groups:
         return len(self.sizes)
 
     def to(self, device) -> Groups:
-        for name in ("offsets", "members", "sizes", "group_of"):
+        for name in ("offsets", "members", "sizes", "group_of", "slots"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -100,10 +101,16 @@ class Groups:
         """(ids [..., W], mask [..., W]): the members of the groups `groups` [...], padded to the largest group."""
         if self.members.device != groups.device:
             self.to(groups.device)
-        slot = torch.arange(self.width, device=groups.device)
-        mask = slot < self.sizes[groups].unsqueeze(-1)
-        index = (self.offsets[groups].unsqueeze(-1) + slot).clamp(max=len(self.members) - 1)
+        mask = self.slots < self.sizes[groups].unsqueeze(-1)
+        index = (self.offsets[groups].unsqueeze(-1) + self.slots).clamp(max=len(self.members) - 1)
         return torch.where(mask, self.members[index], 0), mask
+
+    def member(self, groups: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The member at place `slot` (< its size) of each group: `of(groups)[0]` at `slot`, without padding the
+        groups out."""
+        if self.members.device != groups.device:
+            self.to(groups.device)
+        return self.members[self.offsets[groups] + slot]
 
     def mass(self, law: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """P_c(v) = Σ_{u ∈ G_v} P(u)/m(u) of the groups [..., T] of each law [..., V] -> [..., T]; `law` may carry
@@ -258,10 +265,9 @@ class PCGRule(AcceptanceRule):
 
     def _uniform_member(self, tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """A group label chosen uniformly (by uniforms u, tokens' shape) among the groups holding each token."""
-        ids, _ = self.groups.of(tokens)
-        size = self.groups.sizes[tokens]
+        size = self.groups.sizes.to(tokens.device)[tokens]
         slot = (u.reshape(tokens.shape) * size).long().clamp(max=size - 1)
-        return ids.gather(-1, slot.unsqueeze(-1)).squeeze(-1)
+        return self.groups.member(tokens, slot)
 
     def _token_in_group(self, q: torch.Tensor, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """A token of each group [N], drawn from Q(u)/m(u) normalised over the group (uniforms u [N, 1])."""
