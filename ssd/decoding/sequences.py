@@ -80,7 +80,9 @@ class Sequences:
         """A drafter's token at draft position i = earlier.shape[1] of this round, and the law it was drawn
         from (`ssd.contracts.Draw`)."""
         self.latest["draft"] = logits
-        window = self.law.windows(self.last_window(), earlier)[:, -1]
+        window = self.last_window()  # the last window of windows(last_window, earlier): its final W columns
+        if earlier.shape[1] and window.shape[1]:
+            window = torch.cat([window, earlier], 1)[:, earlier.shape[1] :]
         law = self.watch(
             distribution(self.law, logits.float(), window, self.count + earlier.shape[1], self.min_len)
         )
