@@ -197,6 +197,23 @@ class HostSyncCounter(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class OpCounter(TorchFunctionMode):
+    """Counts the torch calls Python makes (ops and tensor methods; reads of shape, dtype, device not counted).
+    On a CPU at small shapes each costs microseconds whatever its size, so a round's count is much of its cost;
+    the count is the same on any machine and under any load."""
+
+    READS = {"__get__", "dim", "size", "numel", "__len__", "device"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in self.READS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _has_bool_index(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
@@ -503,11 +520,17 @@ def drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens:
     speedup [CI], the drafter's own cost per round in target calls (its phase clock / rounds / decode(1)) and the
     speedup that cost predicts, E(α, L_d) / (d + v)."""
     k = args.drafter_len
+    with OpCounter() as ops:
+        decode_ar(target, Request(prompt, tokens, tokens, _generator(device)), LAW)
+    ar_ops = ops.calls / tokens
     families = {"layers (SSD)": draft, "medusa heads": HeadsDrafter(target, heads=k, kind="medusa"),
                 "mtp heads": HeadsDrafter(target, heads=k, kind="mtp"), "eagle (feature)": FeatureDrafter(target),
                 "block (parallel)": BlockDrafter(target, layers=2, block=k)}  # fmt: skip
     rows = []
     for label, drafter in families.items():
+        with OpCounter() as ops:  # an untimed decode: what one round asks of torch, in AR tokens' worth
+            rounds = decode_speculative(target, drafter, Request(prompt, tokens, tokens, _generator(device)), LAW,
+                                        SyntheticRule(alphas[-1]), k, Instruments(diagnostics=False)).stats.rounds  # fmt: skip
         for alpha in alphas:
             timed = paired(engine_ar, decode_seconds(lambda drafter=drafter, alpha=alpha: decode_speculative(
                 target, drafter, Request(prompt, tokens, tokens, _generator(device)), LAW, SyntheticRule(alpha), k,
@@ -517,7 +540,8 @@ def drafter_rows(target, draft, prompt, engine_ar, t_cost, alphas, args, tokens:
             predicted = expected_tokens_per_round(stats.acceptance_rate, k) / (d + t_cost[k + 1] / t_cost[1])
             rows.append({"drafter": label, "alpha": stats.acceptance_rate, "draft_len": k, "draft_per_round": d,
                          "speedup": timed["speedup"], "speedup_ci": timed["speedup_ci"], "pairs": args.repeats,
-                         "predicted": predicted, "tokens_per_s": tokens / timed["seconds"]})  # fmt: skip
+                         "predicted": predicted, "tokens_per_s": tokens / timed["seconds"],
+                         "ops_per_round": ops.calls / rounds / ar_ops})  # fmt: skip
     return rows
 
 
@@ -594,9 +618,10 @@ def markdown(results: dict) -> str:
                 "\n### Drafter families, batch 1, SYNTHETIC α (speedup vs AR timed side by side, 95 % CI)\n"
             )
             out.append(_table(
-            ["drafter", "α", "L_d", "drafting / round (target calls)", "tokens/s", "speedup [95% CI]", "pairs",
-             "predicted", "meas/pred [95% CI]"],
-            [[r["drafter"], _f(r["alpha"]), r["draft_len"], _f(r["draft_per_round"], 3), _f(r["tokens_per_s"], 1),
+            ["drafter", "α", "L_d", "drafting / round (target calls)", "torch calls / round (AR step = 1)", "tokens/s",
+             "speedup [95% CI]", "pairs", "predicted", "meas/pred [95% CI]"],
+            [[r["drafter"], _f(r["alpha"]), r["draft_len"], _f(r["draft_per_round"], 3), _f(r.get("ops_per_round")),
+              _f(r["tokens_per_s"], 1),
               _ci(r["speedup"], r["speedup_ci"]), r["pairs"], _f(r["predicted"]),
               _ci(r["speedup"] / r["predicted"], [x / r["predicted"] for x in r["speedup_ci"]])]
              for r in res["drafters"]],
