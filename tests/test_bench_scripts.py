@@ -73,6 +73,25 @@ def test_paired_timing_alternates_the_order_and_reports_the_ratio_of_sums():
     assert out["speedup_ci"][0] < out["speedup"] < out["speedup_ci"][1]
 
 
+def test_bench_decoding_runs_only_the_parts_asked_for(tmp_path):
+    """--parts drafters: the per-call costs, the AR row and the drafter families, each with the torch calls its
+    round makes in AR steps (a drafter that drafts must ask more of torch per round than an AR step does); no
+    speculative section, so no speedup figure."""
+    bench = load_script("bench_decoding")
+    results = bench.main(
+        ["--shape", "tiny", "--quick", "--no-hf", "--parts", "drafters", "--out", str(tmp_path)]
+    )
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md"}
+    res = results["shapes"][0]
+    assert {"costs", "ar", "drafters"} <= set(res) and not {"syncs", "sampler", "speculative", "batch"} & set(
+        res
+    )
+    assert len(res["drafters"]) == 5 and all(row["ops_per_round"] > 1 for row in res["drafters"])
+    assert "Drafter families" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--parts", "drafterz"])
+
+
 def test_bench_decoding_quick_run_writes_its_tables(tmp_path):
     bench = load_script("bench_decoding")
     results = bench.main(["--shape", "tiny", "--quick", "--out", str(tmp_path)])
