@@ -105,11 +105,13 @@ class Groups:
         index = (self.offsets[groups].unsqueeze(-1) + self.slots).clamp(max=len(self.members) - 1)
         return torch.where(mask, self.members[index], 0), mask
 
-    def member(self, groups: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """The member at place `slot` (< its size) of each group: `of(groups)[0]` at `slot`, without padding the
-        groups out."""
+    def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
+        floor(u · |G|), read at its offset (no padded gather)."""
         if self.members.device != groups.device:
             self.to(groups.device)
+        size = self.sizes[groups]
+        slot = (u.reshape(groups.shape) * size).long().clamp(max=size - 1)
         return self.members[self.offsets[groups] + slot]
 
     def mass(self, law: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -224,7 +226,9 @@ class PCGRule(AcceptanceRule):
         u_label, u_accept, u_bonus, u_propose, u_member, u_keep, u_token, u_settle = generator.uniforms(
             (k, f32), (k, q.dtype), (1, q.dtype), (trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
             (2, q.dtype))  # fmt: skip
-        labels = self._uniform_member(x, u_label)  # [B, k], ~ P_c at each position
+        labels = self.groups.pick(
+            x, u_label
+        )  # [B, k], ~ P_c at each position (a group holding x: one of G_x)
         pc, qc = self.groups.mass(torch.stack([p, q[:, :k]]), labels[..., None])[..., 0]
         accept = (qc / pc.clamp_min(tiny)).clamp(max=1.0)
         n_acc = (u_accept < accept).long().cumprod(-1).sum(-1)
@@ -232,7 +236,7 @@ class PCGRule(AcceptanceRule):
         p_at, q_at = p[rows, pos], q[rows, pos]  # the laws at the first rejected position
         bonus = inverse_cdf(q[:, k], u_bonus)[:, 0]
         # Thinning: T proposals v ~ Q_c at once, the first kept with probability (1 - P_c(v)/Q_c(v))^+.
-        proposed = self._uniform_member(inverse_cdf(q_at, u_propose), u_member)
+        proposed = self.groups.pick(inverse_cdf(q_at, u_propose), u_member)
         q_mass, p_mass = self.groups.mass(torch.stack([q_at, p_at]), proposed)
         kept = u_keep < (1 - p_mass / q_mass.clamp_min(tiny)).clamp_min(0)
         group = proposed[rows, kept.float().argmax(-1)]
@@ -262,12 +266,6 @@ class PCGRule(AcceptanceRule):
         if bool((next_token == UNSETTLED).any()):
             next_token = self.settle(next_token)
         return n_acc, next_token, self._first_group
-
-    def _uniform_member(self, tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """A group label chosen uniformly (by uniforms u, tokens' shape) among the groups holding each token."""
-        size = self.groups.sizes.to(tokens.device)[tokens]
-        slot = (u.reshape(tokens.shape) * size).long().clamp(max=size - 1)
-        return self.groups.member(tokens, slot)
 
     def _token_in_group(self, q: torch.Tensor, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """A token of each group [N], drawn from Q(u)/m(u) normalised over the group (uniforms u [N, 1])."""
@@ -351,5 +349,5 @@ class GroupSwap:
         ids = torch.as_tensor(tokens, dtype=torch.long)
         speech = ids < self.groups.speech_tokens  # stop/text ids stay
         u = torch.rand(len(tokens), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        drawn = self.groups._uniform_member(torch.where(speech, ids, 0), u)
+        drawn = self.groups.groups.pick(torch.where(speech, ids, 0), u)
         return torch.where(speech, drawn, ids).tolist()
