@@ -137,6 +137,29 @@ def test_select_on_dev_picks_the_fastest_setting_without_wer_loss(tmp_path):
     assert (row["beta"], row["draft_len"], row["split"]) == (0.4, 2, "test")
 
 
+def test_select_on_dev_ranks_by_the_speedup_timed_in_pairs_not_by_lm_rtfs_of_separate_processes(tmp_path):
+    """The fastest setting ran in a process twice as slow as the others (its LM-RTF says it is the slowest; its
+    AR decodes beside it were slowed alike): the choice follows the paired speedup. Negative control: ranking
+    by LM-RTF would pick another setting."""
+    sweep = make_sweep(tmp_path / "dev", "dev", seed=1)
+    run = sweep / "beta=0.4,draft_len=2"
+    records = [json.loads(line) for line in (run / RESULTS_FILE).read_text().splitlines()]
+    for r in records:
+        r["lm_time"], r["baseline_lm_time"] = 2 * r["lm_time"], 2 * r["baseline_lm_time"]
+    (run / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    labels = {
+        k: v
+        for k, v in json.loads((run / METRICS_FILE).read_text()).items()
+        if k not in summarize(records, 200, 0)
+    }
+    (run / METRICS_FILE).write_text(json.dumps({**summarize(records, 200, 0), **labels}))
+    dev = aggregate(sweep, figures=False)
+    chosen = select_setting(dev)
+    assert (chosen["beta"], chosen["draft_len"]) == (0.4, 2)
+    by_rtf = select_setting(dev.drop(columns=["speedup"]))
+    assert (by_rtf["beta"], by_rtf["draft_len"]) != (0.4, 2)
+
+
 def test_select_needs_an_ar_run(tmp_path):
     sweep = make_sweep(tmp_path / "dev", "dev")
     for path in (sweep / "decoding=ar").iterdir():
