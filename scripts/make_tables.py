@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssd.evaluation.report import aggregate  # noqa: E402
 from ssd.evaluation.selection import matching_row, select_setting  # noqa: E402
-from ssd.evaluation.tables import display_table, reference_rows, setting_of, to_markdown  # noqa: E402
+from ssd.evaluation.tables import display_table, reference_rows, setting_of, to_markdown, with_ci  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         dev = aggregate(args.select_on, args.baseline, figures=False)
         chosen = select_setting(dev)
         print(
-            f"\nchosen on dev ({args.select_on}): {setting_of(chosen)} (dev LM-RTF {chosen['lm_rtf']:.3f}, "
-            f"dev WER {chosen['wer'] * 100:.1f}%)"
+            f"\nchosen on dev ({args.select_on}): {setting_of(chosen)} (dev speedup {with_ci(chosen, 'speedup')}, "
+            f"dev LM-RTF {chosen['lm_rtf']:.3f}, dev WER {chosen['wer'] * 100:.1f}%)"
         )
         test_row = matching_row(table, chosen)
         ar = table[reference_rows(table)]
