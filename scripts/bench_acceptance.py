@@ -64,8 +64,8 @@ def laws(vocab: int, batch: int, k: int, seed: int = 0):
     return p, q, x
 
 
-def step_seconds(rule, p, q, x, repeats: int) -> tuple[float, float]:
-    """(median seconds of one acceptance step, fraction of rows `settle` had to finish)."""
+def step_seconds(rule, p, q, x, repeats: int) -> tuple[float, float, float]:
+    """(median seconds of one acceptance step, fraction of rows `settle` had to finish, torch calls per step)."""
     streams = RowRandom(range(x.shape[0]), x.device)
     unsettled = []
 
@@ -76,7 +76,14 @@ def step_seconds(rule, p, q, x, repeats: int) -> tuple[float, float]:
             rule.settle(y)
         unsettled.append(float(left.float().mean()))
 
-    return bench.median_seconds(step, "cpu", repeats), sum(unsettled) / len(unsettled)
+    seconds = bench.median_seconds(step, "cpu", repeats)
+    with bench.OpCounter() as ops:  # a round's count includes its share of the random blocks mixed ahead
+        for _ in range(OP_ROUNDS):
+            step()
+    return seconds, sum(unsettled) / len(unsettled), ops.calls / OP_ROUNDS
+
+
+OP_ROUNDS = 32  # steps the torch calls are counted over (a random block serves several)
 
 
 def target_call_ms(name: str, batch: int, context: int, repeats: int) -> float:
@@ -99,12 +106,13 @@ def run(args) -> dict:
             exact_ms = None
             for label, rule in rules(vocab, args.group_sizes):
                 with torch.inference_mode():
-                    seconds, settled = step_seconds(rule, p, q, x, args.repeats)
+                    seconds, settled, calls = step_seconds(rule, p, q, x, args.repeats)
                 ms = 1e3 * seconds
                 exact_ms = exact_ms if exact_ms is not None else ms
                 row = {"shape": name, "vocab": vocab, "batch": batch, "rule": label, "step_ms": ms,
                        "vs_exact": ms / exact_ms, "target_call_ms": call,
-                       "vs_target_call": ms / call if call else None, "settled_rows": settled}  # fmt: skip
+                       "vs_target_call": ms / call if call else None, "settled_rows": settled,
+                       "torch_calls": calls}  # fmt: skip
                 results["rows"].append(row)
                 print(f"V={vocab} B={batch} {label}: {ms:.3f} ms ({row['vs_exact']:.2f}x exact"
                       + (f", {100 * row['vs_target_call']:.1f} % of a target call)" if call else ")"), flush=True)  # fmt: skip
@@ -116,13 +124,13 @@ def markdown(results: dict) -> str:
              f"\nOne acceptance step: `verify` on B rows of L_d = {results['draft_len']} draft tokens (+ `settle` for "
              "the rows PCG's thinning left), median of the repeats; the target call: one decode(1) of a random-weight "
              "model of that shape (docs/benchmarks.md).\n",
-             "| shape | V | B | rule | step ms | × exact | target call ms | % of a target call | rows settled |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| shape | V | B | rule | step ms | × exact | torch calls | target call ms | % of a target call | rows settled |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["rows"]:
         call = "-" if r["target_call_ms"] is None else f"{r['target_call_ms']:.1f}"
         share = "-" if r["vs_target_call"] is None else f"{100 * r['vs_target_call']:.2f}"
         lines.append(f"| {r['shape']} | {r['vocab']} | {r['batch']} | {r['rule']} | {r['step_ms']:.3f} | "
-                     f"{r['vs_exact']:.2f} | {call} | {share} | {100 * r['settled_rows']:.1f} % |")  # fmt: skip
+                     f"{r['vs_exact']:.2f} | {r['torch_calls']:.1f} | {call} | {share} | {100 * r['settled_rows']:.1f} % |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -92,6 +92,27 @@ def test_bench_decoding_runs_only_the_parts_asked_for(tmp_path):
         bench.parse_args(["--parts", "drafterz"])
 
 
+def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_path):
+    """Every rule gets a row; its torch-call column is what one step asks of torch, counted by the benchmark's
+    own counter: PCG's group work asks more of torch than the exact rule's ratio test does."""
+    bench_acceptance = load_script("bench_acceptance")
+    argv = ["--vocabs", "toy", "--batches", "1", "--group-sizes", "2", "--repeats", "2", "--no-target"]
+    results = bench_acceptance.main([*argv, "--out", str(tmp_path)])
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md"}
+    rows = {row["rule"]: row for row in results["rows"]}
+    assert set(rows) == {
+        "exact",
+        "tolerance β=0.4",
+        "greedy",
+        "target_only",
+        "typical",
+        "pcg, mean group 2.0",
+    }
+    assert rows["exact"]["vs_exact"] == 1.0 and all(row["step_ms"] > 0 for row in rows.values())
+    assert rows["pcg, mean group 2.0"]["torch_calls"] > rows["exact"]["torch_calls"] > 10
+    assert "torch calls" in (tmp_path / "results.md").read_text()
+
+
 def test_bench_decoding_quick_run_writes_its_tables(tmp_path):
     bench = load_script("bench_decoding")
     results = bench.main(["--shape", "tiny", "--quick", "--out", str(tmp_path)])

@@ -78,6 +78,9 @@ def test_sample_draws_each_row_from_its_own_stream_and_never_a_zero_mass_token()
     edge = RowRandom([0])
     edge.uniform = lambda n=1, dtype=torch.float32: torch.full((1, n), 1 - 2**-24, dtype=dtype)
     assert sample(probs[:1], edge).item() == 3
+    # u · total rounding up to the total (u = 1 here) still lands on a token with mass, not past the last one
+    edge.uniform = lambda n=1, dtype=torch.float32: torch.ones((1, n), dtype=dtype)
+    assert sample(probs[:1], edge).item() == 3
     # the law: a chi-square fit, and a shifted law as the negative control
     counts = np.bincount(tokens[1].numpy(), minlength=5)
     assert stats.chisquare(counts).pvalue > 1e-3

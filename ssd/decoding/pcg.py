@@ -57,6 +57,11 @@ class Groups:
             torch.arange(len(self.sizes)), self.sizes
         )  # group of each entry
         self.slots = torch.arange(self.width)  # a member's place in its padded group
+        # Past a group's end a padded gather reads one entry after the members: member 0 of size inf, so its
+        # share P(0)/inf is 0 and no mask multiplies the shares.
+        self.end = len(self.members)
+        self.padded = torch.cat([self.members, self.members.new_zeros(1)])
+        self._member_sizes: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def from_lists(cls, lists: list[torch.Tensor]) -> Groups:
@@ -93,34 +98,48 @@ class Groups:
         return len(self.sizes)
 
     def to(self, device) -> Groups:
-        for name in ("offsets", "members", "sizes", "group_of", "slots"):
+        for name in ("offsets", "members", "sizes", "group_of", "slots", "padded"):
             setattr(self, name, getattr(self, name).to(device))
+        self._member_sizes = {}
         return self
+
+    def _index(self, groups: torch.Tensor) -> torch.Tensor:
+        """[..., W]: where the members of the groups `groups` [...] lie in `padded` (`end` past a group's end)."""
+        if self.members.device != groups.device:
+            self.to(groups.device)
+        index = self.offsets.take(groups).unsqueeze(-1) + self.slots
+        return torch.where(self.slots < self.sizes.take(groups).unsqueeze(-1), index, self.end)
 
     def of(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [..., W], mask [..., W]): the members of the groups `groups` [...], padded to the largest group."""
-        if self.members.device != groups.device:
-            self.to(groups.device)
-        mask = self.slots < self.sizes[groups].unsqueeze(-1)
-        index = (self.offsets[groups].unsqueeze(-1) + self.slots).clamp(max=len(self.members) - 1)
-        return torch.where(mask, self.members[index], 0), mask
+        index = self._index(groups)
+        return self.padded.take(index), index < self.end
 
     def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
         floor(u · |G|), read at its offset (no padded gather)."""
         if self.members.device != groups.device:
             self.to(groups.device)
-        size = self.sizes[groups]
+        size = self.sizes.take(groups)
         slot = (u.reshape(groups.shape) * size).long().clamp(max=size - 1)
-        return self.members[self.offsets[groups] + slot]
+        return self.members.take(self.offsets.take(groups) + slot)
 
-    def mass(self, law: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """P_c(v) = Σ_{u ∈ G_v} P(u)/m(u) of the groups [..., T] of each law [..., V] -> [..., T]; `law` may carry
-        extra leading dims (several laws of the same groups at once). Work: the members only, not V."""
-        ids, mask = self.of(groups)  # [..., T, W]
-        flat = ids.flatten(-2).expand(*law.shape[:-1], -1)
-        gathered = law.gather(-1, flat).unflatten(-1, ids.shape[-2:])
-        return (gathered / self.sizes[ids].to(law.dtype) * mask).sum(-1)
+    def split(self, law: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [..., T, W], shares [..., T, W]): the members of the groups `groups` [..., T] (padded) and each
+        member's share P(u)/m(u) of each law [..., V] (0 past a group's end); `law` may carry extra leading dims
+        (several laws of the same groups at once). A group's mass P_c(v) is its shares' sum. Work: the members
+        only, not V."""
+        index = self._index(groups)  # [..., T, W]
+        ids = self.padded.take(index)
+        gathered = law.gather(-1, ids.flatten(-2).expand(*law.shape[:-1], -1)).unflatten(-1, ids.shape[-2:])
+        return ids, gathered / self._sizes_of_members(law.dtype).take(index)
+
+    def _sizes_of_members(self, dtype: torch.dtype) -> torch.Tensor:
+        """m(u) of every entry of `padded`, as `dtype` (inf for the one past the end), made once per dtype."""
+        if dtype not in self._member_sizes:
+            sizes = self.sizes[self.members].to(dtype)
+            self._member_sizes[dtype] = torch.cat([sizes, sizes.new_full((1,), torch.inf)])
+        return self._member_sizes[dtype]
 
     def law(self, law: torch.Tensor) -> torch.Tensor:
         """The coarse law over every group [N, V] of laws [N, V]: one pass over the members (Σ|G| per row)."""
@@ -219,45 +238,56 @@ class PCGRule(AcceptanceRule):
     # --- verification -------------------------------------------------------------------------------
     def verify(self, p, q, x, generator=None):
         """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 4
-        numbers per row (T = thinning_trials), whatever the verdicts."""
+        numbers per row (T = thinning_trials), whatever the verdicts.
+
+        The thinning proposals are drawn at every draft position with the same numbers, though only the first
+        rejected position's are used: the groups of the whole round (labels and proposals) then cost one
+        gather of their members, where proposals at that position alone would wait for the verdicts."""
         batch, k = x.shape
         generator = RowRandom.of(generator, batch, x.device)
         tiny, trials, f32 = torch.finfo(q.dtype).tiny, self.thinning_trials, torch.float32
-        u_label, u_accept, u_bonus, u_propose, u_member, u_keep, u_token, u_settle = generator.uniforms(
-            (k, f32), (k, q.dtype), (1, q.dtype), (trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
+        u_label, u_accept, u_draw, u_member, u_keep, u_token, u_settle = generator.uniforms(
+            (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
             (2, q.dtype))  # fmt: skip
-        labels = self.groups.pick(
-            x, u_label
-        )  # [B, k], ~ P_c at each position (a group holding x: one of G_x)
-        pc, qc = self.groups.mass(torch.stack([p, q[:, :k]]), labels[..., None])[..., 0]
-        accept = (qc / pc.clamp_min(tiny)).clamp(max=1.0)
+        # u_draw: the bonus token's number, then the T proposals' (u ~ Q at each position)
+        drawn = inverse_cdf(q.flatten(0, 1), u_draw.repeat_interleave(k + 1, 0)).unflatten(0, (batch, k + 1))
+        # Each position's groups: the label of x (uniform in G_x, so ~ P_c), then T proposals v ~ Q_c (v uniform in G_u)
+        tokens = torch.cat([x.unsqueeze(-1), drawn[:, :k, 1:]], -1)  # [B, k, 1 + T]
+        u = torch.cat([u_label.unsqueeze(-1), u_member.unsqueeze(1).expand(-1, k, -1)], -1)
+        groups = self.groups.pick(tokens, u)
+        ids, shares = self.groups.split(
+            torch.stack([p, q[:, :k]]), groups
+        )  # shares [2 (P, Q), B, k, 1 + T, W]
+        masses = shares.sum(-1)  # [2 (P_c, Q_c), B, k, 1 + T]
+        accept = (masses[1, ..., 0] / masses[0, ..., 0].clamp_min(tiny)).clamp(max=1.0)
         n_acc = (u_accept < accept).long().cumprod(-1).sum(-1)
         rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
-        p_at, q_at = p[rows, pos], q[rows, pos]  # the laws at the first rejected position
-        bonus = inverse_cdf(q[:, k], u_bonus)[:, 0]
-        # Thinning: T proposals v ~ Q_c at once, the first kept with probability (1 - P_c(v)/Q_c(v))^+.
-        proposed = self.groups.pick(inverse_cdf(q_at, u_propose), u_member)
-        q_mass, p_mass = self.groups.mass(torch.stack([q_at, p_at]), proposed)
-        kept = u_keep < (1 - p_mass / q_mass.clamp_min(tiny)).clamp_min(0)
-        group = proposed[rows, kept.float().argmax(-1)]
-        token = self._token_in_group(q_at, group, u_token)
-        self._pending = (p_at, q_at, u_settle, group)  # what `settle` reads
-        thinned = torch.where(kept.any(-1), token, UNSETTLED)
-        self._first_group = torch.where(n_acc == 0, torch.where(kept.any(-1), group, UNSETTLED), labels[:, 0])
-        return n_acc, torch.where(n_acc < k, thinned, bonus)
+        # Thinning at the first rejected position: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+
+        pc, qc = masses[:, rows, pos, 1:]
+        kept = u_keep < (1 - pc / qc.clamp_min(tiny)).clamp_min(0)
+        chosen = 1 + kept.float().argmax(-1)
+        group = groups[rows, pos, chosen]
+        # the emitted token inside the group, from Q's shares over its members
+        token = (
+            ids[rows, pos, chosen].gather(-1, inverse_cdf(shares[1, rows, pos, chosen], u_token)).squeeze(-1)
+        )
+        thinned = kept.any(-1)
+        self._pending = (p, q, pos, u_settle, group, groups[:, 0, 0])  # what `settle` reads
+        return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, k, 0])
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
         """Finish the UNSETTLED rows of the last `verify`: their group from the enumerated residual
         normalize(max(0, Q_c - P_c)) over every group (Σ|G| work per such row), their token inside it; the draws
         are the two numbers verify kept for each row."""
         rows = (next_token == UNSETTLED).nonzero().squeeze(-1)  # a host read: only after the sync saw some
-        p_at, q_at, u, group = self._pending
-        residual = (self.groups.law(q_at[rows]) - self.groups.law(p_at[rows])).clamp_min(0)
+        p, q, pos, u, group, label = self._pending
+        p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
+        residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
+        ids, shares = self.groups.split(q_at, settled[:, None])
         out = next_token.clone()
-        out[rows] = self._token_in_group(q_at[rows], settled, u[rows, 1:])
-        self._first_group = torch.where(self._first_group == UNSETTLED, group.index_put((rows,), settled),
-                                        self._first_group)  # fmt: skip
+        out[rows] = ids[:, 0].gather(-1, inverse_cdf(shares[:, 0], u[rows, 1:])).squeeze(-1)
+        self._pending = (p, q, pos, u, group.index_put((rows,), settled), label)
         return out
 
     def verify_groups(self, p, q, x, generator=None):
@@ -265,13 +295,8 @@ class PCGRule(AcceptanceRule):
         n_acc, next_token = self.verify(p, q, x, generator)
         if bool((next_token == UNSETTLED).any()):
             next_token = self.settle(next_token)
-        return n_acc, next_token, self._first_group
-
-    def _token_in_group(self, q: torch.Tensor, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """A token of each group [N], drawn from Q(u)/m(u) normalised over the group (uniforms u [N, 1])."""
-        ids, mask = self.groups.of(groups)
-        weight = q.gather(-1, ids) / self.groups.sizes[ids].to(q.dtype) * mask
-        return ids.gather(-1, inverse_cdf(weight, u)).squeeze(-1)
+        *_, group, label = self._pending
+        return n_acc, next_token, torch.where(n_acc == 0, group, label)
 
     # --- laws (certificates) -----------------------------------------------------------------------------
     def coarse_law(self, law: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ class RowRandom:
         return [self._take(n, dtype) for n, dtype in spec]
 
 
-BLOCK = 64  # counters mixed at once per row stream
+BLOCK = 256  # counters mixed at once per row stream (several rounds of the rule that draws most, PCG: 2k + 3T + 4)
 
 
 class _Block:

@@ -266,9 +266,10 @@ def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The tokens [N, T] at which uniforms u [N, T] fall in each row's CDF of probs [N, V] (rows need not sum
-    to 1); never a token past the last one with mass."""
+    to 1); never a token without mass."""
     cdf = probs.cumsum(-1)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    # u * total can round up to total: never step past the last token that has mass.
-    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
-    return torch.minimum(token, last_with_mass.unsqueeze(-1))
+    total = cdf[:, -1:]
+    # u * total can round up to total, past every token: the target stays below it, so the first CDF entry
+    # above it belongs to a token with mass (an all-zero row gives the last token).
+    below = torch.minimum(u * total, torch.nextafter(total, total.new_zeros(())))
+    return torch.searchsorted(cdf, below, right=True).clamp(max=probs.shape[-1] - 1)
