@@ -108,7 +108,7 @@ def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_
         "typical",
         "pcg, mean group 2.0",
     }
-    assert rows["exact"]["vs_exact"] == 1.0 and all(row["step_ms"] > 0 for row in rows.values())
+    assert all(row["step_ms"] > 0 for row in rows.values())
     assert rows["pcg, mean group 2.0"]["torch_calls"] > rows["exact"]["torch_calls"] > 10
     assert "torch calls" in (tmp_path / "results.md").read_text()
 

@@ -268,9 +268,7 @@ class PCGRule(AcceptanceRule):
         chosen = 1 + kept.float().argmax(-1)
         group = groups[rows, pos, chosen]
         # the emitted token inside the group, from Q's shares over its members
-        token = (
-            ids[rows, pos, chosen].gather(-1, inverse_cdf(shares[1, rows, pos, chosen], u_token)).squeeze(-1)
-        )
+        token = _member(ids[rows, pos, chosen], shares[1, rows, pos, chosen], u_token)
         thinned = kept.any(-1)
         self._pending = (p, q, pos, u_settle, group, groups[:, 0, 0])  # what `settle` reads
         return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, k, 0])
@@ -286,7 +284,7 @@ class PCGRule(AcceptanceRule):
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
         ids, shares = self.groups.split(q_at, settled[:, None])
         out = next_token.clone()
-        out[rows] = ids[:, 0].gather(-1, inverse_cdf(shares[:, 0], u[rows, 1:])).squeeze(-1)
+        out[rows] = _member(ids[:, 0], shares[:, 0], u[rows, 1:])
         self._pending = (p, q, pos, u, group.index_put((rows,), settled), label)
         return out
 
@@ -328,6 +326,11 @@ class PCGRule(AcceptanceRule):
             return f"PCGRule(theta={self.theta}, groups not built yet: bind(target))"
         mean = self.groups.sizes.float().mean()
         return f"PCGRule(theta={self.theta:.4f}, source={self.source.name}, vocab={self.vocab_size}, mean_group={mean:.2f})"
+
+
+def _member(ids: torch.Tensor, shares: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One member [N] of each group, drawn from its members' shares: ids, shares [N, W], uniforms u [N, 1]."""
+    return ids.gather(-1, inverse_cdf(shares, u)).squeeze(-1)
 
 
 def theta_for_mean_group_size(vectors: torch.Tensor, mean_size: float, chunk: int = 2048) -> float:
