@@ -5,6 +5,8 @@ tests/test_compile.py, on the project's own models)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine_models import TrigramCache, TrigramLM, autoregressive, speculative, trigram_pair
@@ -53,12 +55,19 @@ def _assert_batch_equals_alone(decode):
     return batch
 
 
-def test_ar_rows_decode_as_they_would_alone():
+# Both ways of refusing a stop token before min_len: the laws skip that step once no active row is short of
+# its min_len, and a row past it must get the same law before and after that.
+EOS_MODES = ["mask", "resample"]
+
+
+@pytest.mark.parametrize("eos_mode", EOS_MODES)
+def test_ar_rows_decode_as_they_would_alone(eos_mode):
     target, _ = _models()
+    law = replace(LAW, eos_mode=eos_mode)
 
     def decode(prompts, seeds, max_len, min_len):
         return autoregressive(
-            target, prompts, LAW, torch.tensor(max_len), torch.tensor(min_len), RowRandom(seeds)
+            target, prompts, law, torch.tensor(max_len), torch.tensor(min_len), RowRandom(seeds)
         )
 
     batch = _assert_batch_equals_alone(decode)
@@ -80,13 +89,14 @@ RULES = {
 }
 
 
+@pytest.mark.parametrize("eos_mode", EOS_MODES)
 @pytest.mark.parametrize("name", list(RULES))
-def test_speculative_rows_decode_as_they_would_alone(name):
+def test_speculative_rows_decode_as_they_would_alone(name, eos_mode):
     target, draft = _models()
-    rule = RULES[name]()
+    rule, law = RULES[name](), replace(LAW, eos_mode=eos_mode)
 
     def decode(prompts, seeds, max_len, min_len):
-        return speculative(target, draft, prompts, LAW, rule, 3, torch.tensor(max_len), torch.tensor(min_len),
+        return speculative(target, draft, prompts, law, rule, 3, torch.tensor(max_len), torch.tensor(min_len),
                            RowRandom(seeds))  # fmt: skip
 
     batch = _assert_batch_equals_alone(decode)

@@ -37,6 +37,51 @@ def test_cosyvoice_nucleus_matches_upstream_loop(seed):
     torch.testing.assert_close(law[kept], logits[0].softmax(-1)[kept] / logits[0].softmax(-1)[kept].sum())
 
 
+def cosyvoice_nucleus_sorted(cfg: SamplingConfig, probs: torch.Tensor) -> torch.Tensor:
+    """CosyVoice's nucleus in closed form over the whole sorted vocabulary (descending stable sort, the mass before
+    a token < top_p, the first top_k): the law the top-k path must give bit for bit."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = (
+        (sorted_p.cumsum(-1) - sorted_p) < cfg.top_p
+        if cfg.top_p is not None
+        else torch.ones_like(sorted_p).bool()
+    )
+    if cfg.top_k is not None:
+        keep[..., cfg.top_k :] = False
+    kept = probs * torch.zeros_like(keep).scatter(-1, order, keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cosyvoice_nucleus_equals_the_sorted_vocabulary_bit_for_bit(dtype):
+    """The nucleus is found with topk, not a sort of the vocabulary; ties (quantised logits), masked ids and every
+    top_k / top_p combination give the sorted closed form's law exactly, at the toy's and CosyVoice 2's sizes."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        vocab, rows = (7, 60, 1027, 6564)[trial % 4], 1 + trial % 8
+        logits = torch.randn(rows, vocab, generator=g, dtype=dtype) * 3
+        if trial % 3 == 0:
+            logits = (logits * 2).round() / 2  # many equal probabilities, some at the cut
+        if trial % 5 == 0:
+            logits[:, : vocab // 2] = float("-inf")
+        top_k, top_p = (1, 2, 5, 25, None)[trial % 5], (0.8, 0.5, None, 0.99, 0.3)[(trial // 5) % 5]
+        if top_k is None and top_p is None:
+            continue
+        cfg = SamplingConfig(top_k=top_k, top_p=top_p, nucleus="cosyvoice")
+        assert torch.equal(distribution(cfg, logits), cosyvoice_nucleus_sorted(cfg, logits.softmax(-1)))
+
+
+def test_cosyvoice_nucleus_settles_a_tie_at_the_cut_by_id():
+    """Four ids share the largest probability and top_k = 2 cuts among them: the stable sort takes the two lowest
+    ids, whatever order topk returns equal values in."""
+    logits = torch.zeros(1, 12)
+    logits[0, [9, 3, 11, 6]] = 2.0
+    law = distribution(SamplingConfig(top_k=2, nucleus="cosyvoice"), logits)
+    assert law[0].nonzero().flatten().tolist() == [3, 6]
+    law = distribution(SamplingConfig(top_k=3, top_p=0.99, nucleus="cosyvoice"), logits)
+    assert law[0].nonzero().flatten().tolist() == [3, 6, 9]
+
+
 def test_cosyvoice_nucleus_includes_the_crossing_token_and_caps_at_top_k():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64).log()
     law = distribution(SamplingConfig(top_p=0.6, top_k=25, nucleus="cosyvoice"), logits)

@@ -142,6 +142,7 @@ def decode_speculative(target: SpeechLM, drafter: Drafter, request: Request, sam
     _hand_over(observer, fresh)
     while not finished:
         xs, ps = draft.propose(k, seqs.draw)
+        seqs.watch(ps)
         observer.lap("draft")
         qs = seqs.verify_laws(target.extend(cache, torch.cat([pending, xs], 1)), xs)
         observer.lap("verify")

@@ -52,6 +52,9 @@ class Sequences:
         self.generator = RowRandom.of(request.generator, batch, device)
         self.max_len = _as_rows(request.max_len, batch, device)
         self.min_len = _as_rows(request.min_len, batch, device)
+        # Host-side: may a row still be short of its min_len? Read on each sync; once none is, the laws skip
+        # the stop-token rule (a few torch calls of every law, which is what a CPU step is made of).
+        self.before_min_len = bool((torch.as_tensor(request.min_len).cpu() > 0).any())
         check_stop_tokens(law, logits.shape[-1], request.min_len, request.max_len)
         self.stop = torch.tensor(law.stop_tokens or (-2,), dtype=torch.long, device=device)
         cap = int(self.max_len.max()) + 1
@@ -78,14 +81,12 @@ class Sequences:
 
     def draw(self, logits: torch.Tensor, earlier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A drafter's token at draft position i = earlier.shape[1] of this round, and the law it was drawn
-        from (`ssd.contracts.Draw`)."""
+        from (`ssd.contracts.Draw`). The decode loop watches the round's laws for NaN/inf at once (`watch`)."""
         self.latest["draft"] = logits
         window = self.last_window()  # the last window of windows(last_window, earlier): its final W columns
         if earlier.shape[1] and window.shape[1]:
             window = torch.cat([window, earlier], 1)[:, earlier.shape[1] :]
-        law = self.watch(
-            distribution(self.law, logits.float(), window, self.count + earlier.shape[1], self.min_len)
-        )
+        law = distribution(self.law, logits.float(), window, self.count + earlier.shape[1], self._min_len())
         return sample(law, self.generator), law
 
     def verify_laws(self, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
@@ -95,16 +96,22 @@ class Sequences:
         steps = (self.count.unsqueeze(-1) + torch.arange(k1, device=self.device)).reshape(-1)
         windows = self.law.windows(self.last_window(), drafted)
         q = distribution(self.law, logits.reshape(-1, vocab).float(), windows.reshape(batch * k1, -1), steps,
-                         self.min_len.repeat_interleave(k1))  # fmt: skip
+                         self._min_len(k1))  # fmt: skip
         return self.watch(q.reshape(batch, k1, vocab))
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         """Draw the next token from the target's law at the last position and emit it (AR; round 0)."""
         self.latest["target"] = logits
-        law = distribution(self.law, logits.float(), self.last_window(), self.count, self.min_len)
+        law = distribution(self.law, logits.float(), self.last_window(), self.count, self._min_len())
         token = sample(self.watch(law), self.generator)
         self.emit(token.unsqueeze(-1), torch.ones_like(token))
         return token
+
+    def _min_len(self, positions: int = 1) -> torch.Tensor | int:
+        """The laws' min_len for each row's next `positions` positions: 0 once every active row is past it."""
+        if not self.before_min_len:
+            return 0
+        return self.min_len.repeat_interleave(positions) if positions > 1 else self.min_len
 
     def watch(self, law: torch.Tensor) -> torch.Tensor:
         """Note (on the device) whether a sampling law is NaN/inf; `sync` reports it."""
@@ -158,7 +165,8 @@ class Sequences:
     def sync(self, *values: torch.Tensor) -> list:
         """The round's one host sync: [all rows done?, *values], each value a scalar (read as an int), a [B]
         tensor (read as a list) or a [B, W] one (a list of rows); raises FloatingPointError after a NaN/inf law."""
-        parts = [self.done.all(), self.bad_law, *values]
+        short = [(~self.done & (self.count < self.min_len)).any()] if self.before_min_len else []
+        parts = [self.done.all(), self.bad_law, *short, *values]
         flat = torch.cat([p.reshape(-1).long() for p in parts]).tolist()
         read, at = [], 0
         for p in parts:
@@ -174,6 +182,8 @@ class Sequences:
         done, bad, *rest = read
         if bad:
             self._raise_non_finite()
+        if short:
+            self.before_min_len = bool(rest.pop(0))
         return [bool(done), *rest]
 
     def tokens(self) -> list[list[int]]:
