@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,23 +65,37 @@ def laws(vocab: int, batch: int, k: int, seed: int = 0):
     return p, q, x
 
 
-def step_seconds(rule, p, q, x, repeats: int) -> tuple[float, float, float]:
-    """(median seconds of one acceptance step, fraction of rows `settle` had to finish, torch calls per step)."""
+def acceptance_step(rule, p, q, x):
+    """(step, unsettled): one acceptance step of `rule` timed by itself, returning (seconds, None) as
+    `bench.paired` wants, and the fraction of rows `settle` had to finish in each step so far."""
     streams = RowRandom(range(x.shape[0]), x.device)
     unsettled = []
 
     def step():
+        start = time.perf_counter()
         n_acc, y = rule.verify(p, q, x, streams)
         left = y == UNSETTLED
         if bool(left.any()):  # the engine reads this on the round's one sync
             rule.settle(y)
+        seconds = time.perf_counter() - start
         unsettled.append(float(left.float().mean()))
+        return seconds, None
 
-    seconds = bench.median_seconds(step, "cpu", repeats)
+    return step, unsettled
+
+
+def reciprocal_ci(ci: list[float]) -> list[float]:
+    """The CI of 1/R from R's (unbounded above when R's reaches 0)."""
+    lo, hi = ci
+    return [1 / hi, 1 / lo if lo > 0 else float("inf")]
+
+
+def torch_calls(step) -> float:
+    """Torch calls per step, counted over OP_ROUNDS steps."""
     with bench.OpCounter() as ops:  # a round's count includes its share of the random blocks mixed ahead
         for _ in range(OP_ROUNDS):
             step()
-    return seconds, sum(unsettled) / len(unsettled), ops.calls / OP_ROUNDS
+    return ops.calls / OP_ROUNDS
 
 
 OP_ROUNDS = 32  # steps the torch calls are counted over (a random block serves several)
@@ -103,18 +118,22 @@ def run(args) -> dict:
         for batch in args.batches:
             call = None if args.no_target else target_call_ms(name, batch, args.context, args.repeats)
             p, q, x = laws(vocab, batch, args.draft_len)
-            exact_ms = None
-            for label, rule in rules(vocab, args.group_sizes):
+            (_, exact), *others = rules(vocab, args.group_sizes)
+            exact_step, _ = acceptance_step(exact, p, q, x)
+            for label, rule in [("exact", exact), *others]:
+                step, unsettled = acceptance_step(rule, p, q, x)
                 with torch.inference_mode():
-                    seconds, settled, calls = step_seconds(rule, p, q, x, args.repeats)
-                ms = 1e3 * seconds
-                exact_ms = exact_ms if exact_ms is not None else ms
+                    # each rule's steps alternate with the exact rule's, so a drift of the machine's speed
+                    # falls on both: × exact = Σ its seconds / Σ exact's, with a 95 % CI over the pairs
+                    timed = bench.paired(exact_step, step, args.repeats)
+                    calls = torch_calls(step)
+                ms, vs_exact = 1e3 * timed["seconds"], 1 / timed["speedup"]
                 row = {"shape": name, "vocab": vocab, "batch": batch, "rule": label, "step_ms": ms,
-                       "vs_exact": ms / exact_ms, "target_call_ms": call,
-                       "vs_target_call": ms / call if call else None, "settled_rows": settled,
-                       "torch_calls": calls}  # fmt: skip
+                       "vs_exact": vs_exact, "vs_exact_ci": reciprocal_ci(timed["speedup_ci"]),
+                       "target_call_ms": call, "vs_target_call": ms / call if call else None,
+                       "settled_rows": sum(unsettled) / len(unsettled), "torch_calls": calls}  # fmt: skip
                 results["rows"].append(row)
-                print(f"V={vocab} B={batch} {label}: {ms:.3f} ms ({row['vs_exact']:.2f}x exact"
+                print(f"V={vocab} B={batch} {label}: {ms:.3f} ms ({vs_exact:.2f}x exact"
                       + (f", {100 * row['vs_target_call']:.1f} % of a target call)" if call else ")"), flush=True)  # fmt: skip
     return results
 
@@ -122,15 +141,16 @@ def run(args) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# Acceptance-step benchmark\n\n`{results['command']}`\n\n{results['machine']}; git {results['git']}.",
              f"\nOne acceptance step: `verify` on B rows of L_d = {results['draft_len']} draft tokens (+ `settle` for "
-             "the rows PCG's thinning left), median of the repeats; the target call: one decode(1) of a random-weight "
+             "the rows PCG's thinning left), median of the repeats, each beside a step of the exact rule (× exact: the "
+             "ratio of their summed times, 95 % CI over the pairs); the target call: one decode(1) of a random-weight "
              "model of that shape (docs/benchmarks.md).\n",
-             "| shape | V | B | rule | step ms | × exact | torch calls | target call ms | % of a target call | rows settled |",
+             "| shape | V | B | rule | step ms | × exact [95% CI] | torch calls | target call ms | % of a target call | rows settled |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["rows"]:
         call = "-" if r["target_call_ms"] is None else f"{r['target_call_ms']:.1f}"
         share = "-" if r["vs_target_call"] is None else f"{100 * r['vs_target_call']:.2f}"
         lines.append(f"| {r['shape']} | {r['vocab']} | {r['batch']} | {r['rule']} | {r['step_ms']:.3f} | "
-                     f"{r['vs_exact']:.2f} | {r['torch_calls']:.1f} | {call} | {share} | {100 * r['settled_rows']:.1f} % |")  # fmt: skip
+                     f"{r['vs_exact']:.2f} [{r['vs_exact_ci'][0]:.2f}, {r['vs_exact_ci'][1]:.2f}] | {r['torch_calls']:.1f} | {call} | {share} | {100 * r['settled_rows']:.1f} % |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -93,8 +93,9 @@ def test_bench_decoding_runs_only_the_parts_asked_for(tmp_path):
 
 
 def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_path):
-    """Every rule gets a row; its torch-call column is what one step asks of torch, counted by the benchmark's
-    own counter: PCG's group work asks more of torch than the exact rule's ratio test does."""
+    """Every rule gets a row, timed beside the exact rule's step with a CI; its torch-call column is what one step
+    asks of torch, counted by the benchmark's own counter: PCG's group work asks more of torch than the exact
+    rule's ratio test does."""
     bench_acceptance = load_script("bench_acceptance")
     argv = ["--vocabs", "toy", "--batches", "1", "--group-sizes", "2", "--repeats", "2", "--no-target"]
     results = bench_acceptance.main([*argv, "--out", str(tmp_path)])
@@ -109,6 +110,7 @@ def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_
         "pcg, mean group 2.0",
     }
     assert all(row["step_ms"] > 0 for row in rows.values())
+    assert all(row["vs_exact_ci"][0] <= row["vs_exact"] <= row["vs_exact_ci"][1] for row in rows.values())
     assert rows["pcg, mean group 2.0"]["torch_calls"] > rows["exact"]["torch_calls"] > 10
     assert "torch calls" in (tmp_path / "results.md").read_text()
 

@@ -124,15 +124,15 @@ class Groups:
         slot = (u.reshape(groups.shape) * size).long().clamp(max=size - 1)
         return self.members.take(self.offsets.take(groups) + slot)
 
-    def split(self, law: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [..., T, W], shares [..., T, W]): the members of the groups `groups` [..., T] (padded) and each
-        member's share P(u)/m(u) of each law [..., V] (0 past a group's end); `law` may carry extra leading dims
-        (several laws of the same groups at once). A group's mass P_c(v) is its shares' sum. Work: the members
-        only, not V."""
+    def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
+        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T, V] (one per
+        group) or [..., V] (one for a row's T groups). A group's mass P_c(v) is its
+        shares' sum. Work: the members only, not V."""
         index = self._index(groups)  # [..., T, W]
         ids = self.padded.take(index)
-        gathered = law.gather(-1, ids.flatten(-2).expand(*law.shape[:-1], -1)).unflatten(-1, ids.shape[-2:])
-        return ids, gathered / self._sizes_of_members(law.dtype).take(index)
+        sizes = self._sizes_of_members(laws[0].dtype).take(index)
+        return ids, *(law.gather(-1, ids.flatten(law.dim() - 1)).view(ids.shape) / sizes for law in laws)
 
     def _sizes_of_members(self, dtype: torch.dtype) -> torch.Tensor:
         """m(u) of every entry of `padded`, as `dtype` (inf for the one past the end), made once per dtype."""
@@ -240,38 +240,36 @@ class PCGRule(AcceptanceRule):
         """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 4
         numbers per row (T = thinning_trials), whatever the verdicts.
 
-        The thinning proposals are drawn at every draft position with the same numbers, though only the first
-        rejected position's are used: the groups of the whole round (labels and proposals) then cost one
-        gather of their members, where proposals at that position alone would wait for the verdicts."""
+        Two gathers of group members: the draft tokens' labels at every position, then, at the one position
+        each row's verdicts select (its first rejection, or the bonus position), the T thinning proposals
+        and the bonus token from the same draw."""
         batch, k = x.shape
         generator = RowRandom.of(generator, batch, x.device)
         tiny, trials, f32 = torch.finfo(q.dtype).tiny, self.thinning_trials, torch.float32
         u_label, u_accept, u_draw, u_member, u_keep, u_token, u_settle = generator.uniforms(
             (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
             (2, q.dtype))  # fmt: skip
-        # u_draw: the bonus token's number, then the T proposals' (u ~ Q at each position)
-        drawn = inverse_cdf(q.flatten(0, 1), u_draw.repeat_interleave(k + 1, 0)).unflatten(0, (batch, k + 1))
-        # Each position's groups: the label of x (uniform in G_x, so ~ P_c), then T proposals v ~ Q_c (v uniform in G_u)
-        tokens = torch.cat([x.unsqueeze(-1), drawn[:, :k, 1:]], -1)  # [B, k, 1 + T]
-        u = torch.cat([u_label.unsqueeze(-1), u_member.unsqueeze(1).expand(-1, k, -1)], -1)
-        groups = self.groups.pick(tokens, u)
-        ids, shares = self.groups.split(
-            torch.stack([p, q[:, :k]]), groups
-        )  # shares [2 (P, Q), B, k, 1 + T, W]
-        masses = shares.sum(-1)  # [2 (P_c, Q_c), B, k, 1 + T]
-        accept = (masses[1, ..., 0] / masses[0, ..., 0].clamp_min(tiny)).clamp(max=1.0)
+        # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c)
+        labels = self.groups.pick(x, u_label)
+        _, p_label, q_label = self.groups.split(labels, p, q[:, :k])
+        accept = (q_label.sum(-1) / p_label.sum(-1).clamp_min(tiny)).clamp(max=1.0)
         n_acc = (u_accept < accept).long().cumprod(-1).sum(-1)
         rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
-        # Thinning at the first rejected position: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+
-        pc, qc = masses[:, rows, pos, 1:]
+        # At position n_acc: the bonus token (all accepted) or T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
+        q_next = q[rows, n_acc]
+        drawn = inverse_cdf(q_next, u_draw)
+        proposals = self.groups.pick(drawn[:, 1:], u_member)
+        ids, p_shares, q_shares = self.groups.split(proposals, p[rows, pos], q_next)
+        # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+
+        pc, qc = p_shares.sum(-1), q_shares.sum(-1)
         kept = u_keep < (1 - pc / qc.clamp_min(tiny)).clamp_min(0)
-        chosen = 1 + kept.float().argmax(-1)
-        group = groups[rows, pos, chosen]
+        chosen = kept.float().argmax(-1)
+        group = proposals[rows, chosen]
         # the emitted token inside the group, from Q's shares over its members
-        token = _member(ids[rows, pos, chosen], shares[1, rows, pos, chosen], u_token)
+        token = _member(ids[rows, chosen], q_shares[rows, chosen], u_token)
         thinned = kept.any(-1)
-        self._pending = (p, q, pos, u_settle, group, groups[:, 0, 0])  # what `settle` reads
-        return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, k, 0])
+        self._pending = (p, q, pos, u_settle, group, labels[:, 0])  # what `settle` reads
+        return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, 0])
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
         """Finish the UNSETTLED rows of the last `verify`: their group from the enumerated residual
@@ -282,7 +280,7 @@ class PCGRule(AcceptanceRule):
         p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
         residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
-        ids, shares = self.groups.split(q_at, settled[:, None])
+        ids, shares = self.groups.split(settled[:, None], q_at)
         out = next_token.clone()
         out[rows] = _member(ids[:, 0], shares[:, 0], u[rows, 1:])
         self._pending = (p, q, pos, u, group.index_put((rows,), settled), label)
