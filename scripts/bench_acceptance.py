@@ -162,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--group-sizes", default="2,16,140", help="PCG's group (block) sizes")
     parser.add_argument("--draft-len", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--context", type=int, default=200, help="positions before the timed target call")
     parser.add_argument("--no-target", action="store_true", help="skip the target-call column")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/bench_acceptance"))
