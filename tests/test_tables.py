@@ -255,3 +255,48 @@ def test_e2e_rtf_and_throughput_come_from_the_records():
     assert m["throughput_tokens_per_sec"] == pytest.approx(150 / 0.5)
     old = [{k: v for k, v in r.items() if k != "vocoder_time"} for r in records]
     assert np.isnan(summarize(old, 0)["e2e_rtf"])  # not timed: unknown, not "LM time alone"
+
+
+AR_LM_TIME = 0.5  # the AR run's time for each utterance in the cost test
+
+
+def _cost_records(lm_times, slower=None):
+    """Records with phase times: an AR call costs 0.01 s a token in the AR run; with `slower`, the run's own AR
+    decodes beside it took `slower` times the AR run's, and its verify calls cost 1.2 and its draft calls 0.3 of
+    those AR calls; without, 1.2 and 0.3 of the AR run's."""
+    scale = slower or 1.0
+    return [{"utt": f"u{i}", "lm_time": t, "audio_sec": 2.0, "n_tokens": 50, "errors": 0, "ref_words": 5,
+             "wer": 0.0, "target_calls": 20, "draft_calls": 60, "rounds": 20, "time_verify": 20 * 0.012 * scale,
+             "time_draft": 60 * 0.003 * scale, "proposed": [20, 15, 10], "accepted": [15, 10, 5],
+             "baseline_lm_time": AR_LM_TIME * slower if slower else None, "finish_reason": "stop"}
+            for i, t in enumerate(lm_times)]  # fmt: skip
+
+
+def test_the_cost_columns_are_in_ar_calls_of_the_runs_own_process(tmp_path):
+    """The per-call costs divide by an AR call of the process that timed the run: a run whose AR decodes beside it
+    ran 1.5x slower than the AR run's is not charged 1.5x for its calls; a run that timed no AR beside it is
+    measured against the AR run's calls (the negative control: the same phase times then read 1.5x)."""
+    from ssd.evaluation.tables import build_table
+
+    sweep, base = tmp_path / "sweep", {"target": "toy", "eval": "toy_test", "split": "test"}
+    ar = [
+        {**r, "time_verify": 20 * 0.01, "time_draft": 0.0, "draft_calls": 0} for r in _cost_records([0.5] * 6)
+    ]
+    _write_run(sweep / "decoding=ar", {**base, **AR_LABELS}, ar)
+    spec = {**base, "decoding": "speculative", "draft": "toy", "acceptance": "exact", "draft_len": 3,
+            "reference": False, "setting_keys": ["decoding", "draft_len"]}  # fmt: skip
+    _write_run(sweep / "draft_len=3", spec, _cost_records([0.4] * 6, slower=1.5))
+    _write_run(sweep / "draft_len=3,alone", {**spec, "draft": "alone"}, _cost_records([0.4] * 6, slower=None))
+    _write_run(sweep / "draft_len=3,alone,slow", {**spec, "draft": "slow"},
+               [{**r, "time_verify": r["time_verify"] * 1.5, "time_draft": r["time_draft"] * 1.5}
+                for r in _cost_records([0.4] * 6)])  # fmt: skip
+    table = build_table(sweep).set_index("run")
+    for run in ("draft_len=3", "draft_len=3,alone"):
+        assert table.loc[run, "verify_cost"] == pytest.approx(1.2)
+        assert table.loc[run, "c_draft"] == pytest.approx(0.3)
+        assert table.loc[run, "draft_per_round"] == pytest.approx(0.9)
+    assert table.loc["draft_len=3,alone,slow", "verify_cost"] == pytest.approx(1.8)
+    alpha = table.loc["draft_len=3", "acceptance_rate"]
+    assert table.loc["draft_len=3", "predicted_speedup"] == pytest.approx(
+        (1 - alpha**4) / (1 - alpha) / (0.9 + 1.2)
+    )

@@ -99,15 +99,25 @@ def add_paired_wer(
     return table
 
 
-def _run_sums(run_dir: Path) -> dict[str, float]:
-    """Sums of the timing counts over a run's batch-1 timed records (read only: the run may still be writing)."""
-    sums = dict.fromkeys(COST_KEYS, 0.0)
-    for record in read_records(run_dir / RESULTS_FILE, repair=False):
-        if record.get("lm_time") is None:  # not timed alone: its phase times are not batch-1 costs
-            continue
-        for key in COST_KEYS:
-            sums[key] += float(record.get(key) or 0)
-    return sums
+def _timed_records(run_dir: Path) -> list[dict]:
+    """A run's batch-1 timed records (read only: the run may still be writing); the others' phase times are not
+    batch-1 costs."""
+    return [r for r in read_records(run_dir / RESULTS_FILE, repair=False) if r.get("lm_time") is not None]
+
+
+def _run_sums(records: list[dict]) -> dict[str, float]:
+    """Sums of the timing counts over timed records."""
+    return {key: sum(float(r.get(key) or 0) for r in records) for key in COST_KEYS}
+
+
+def _ar_speed_beside(records: list[dict], ar_records: list[dict]) -> float:
+    """How much slower the AR decodes timed beside a run's own were than the AR run's decodes of the same
+    utterances (Σ baseline_lm_time / Σ lm_time); 1 where the run timed no AR beside it."""
+    ar_time = {r["utt"]: r["lm_time"] for r in ar_records}
+    pairs = [(r["baseline_lm_time"], ar_time[r["utt"]]) for r in records
+             if r.get("baseline_lm_time") is not None and r.get("utt") in ar_time]  # fmt: skip
+    beside, alone = (sum(x) for x in zip(*pairs)) if pairs else (0.0, 0.0)
+    return beside / alone if beside and alone else 1.0
 
 
 def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
@@ -118,20 +128,25 @@ def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
 def add_cost_columns(table: pd.DataFrame, sweep_dir: str | Path) -> pd.DataFrame:
     """Per-call costs measured in each run, in AR target calls, and the speedup they predict from the measured
     α: c = the drafter's time per drafted token, d = its time per round (all of a round's drafting: k calls of an
-    autoregressive drafter, one of a block drafter), v = a verify call; predicted = E(α, L_d) / (d + v)."""
+    autoregressive drafter, one of a block drafter), v = a verify call; predicted = E(α, L_d) / (d + v).
+    An AR call's time is the AR run's, scaled by how much slower or faster the AR decodes timed beside the run
+    were on the same utterances: the costs are then in the run's own process's AR calls, as its paired speedup."""
     sweep_dir = Path(sweep_dir)
     table = table.copy()
     for column in ("c_draft", "draft_per_round", "verify_cost", "predicted_speedup"):
         table[column] = np.nan
-    ar = table[reference_rows(table)]
-    if ar.empty:
-        return table
-    ar_sums = [_run_sums(sweep_dir / run) for run in ar["run"]]
-    t_ar = sum(s["time_verify"] for s in ar_sums) / max(1.0, sum(s["target_calls"] for s in ar_sums))
     for idx, row in table[verified_rows(table)].iterrows():
-        sums = _run_sums(sweep_dir / row["run"])
-        if not (sums["draft_calls"] and sums["rounds"] and t_ar) or pd.isna(row.get("draft_len")):
+        ar = _ar_runs(table, row)
+        if ar.empty or pd.isna(row.get("draft_len")):
             continue
+        ar_records = _timed_records(sweep_dir / ar["run"].iloc[0])
+        ar_sums, records = _run_sums(ar_records), _timed_records(sweep_dir / row["run"])
+        sums = _run_sums(records)
+        if not (
+            sums["draft_calls"] and sums["rounds"] and ar_sums["time_verify"] and ar_sums["target_calls"]
+        ):
+            continue
+        t_ar = ar_sums["time_verify"] / ar_sums["target_calls"] * _ar_speed_beside(records, ar_records)
         c = sums["time_draft"] / sums["draft_calls"] / t_ar
         d = sums["time_draft"] / sums["rounds"] / t_ar
         v = sums["time_verify"] / sums["target_calls"] / t_ar
