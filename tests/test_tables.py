@@ -280,7 +280,8 @@ def test_the_cost_columns_are_in_ar_calls_of_the_runs_own_process(tmp_path):
 
     sweep, base = tmp_path / "sweep", {"target": "toy", "eval": "toy_test", "split": "test"}
     ar = [
-        {**r, "time_verify": 20 * 0.01, "time_draft": 0.0, "draft_calls": 0} for r in _cost_records([0.5] * 6)
+        {**r, "time_verify": 20 * 0.01, "time_draft": 0.0, "draft_calls": 0}
+        for r in _cost_records([AR_LM_TIME] * 6)
     ]
     _write_run(sweep / "decoding=ar", {**base, **AR_LABELS}, ar)
     spec = {**base, "decoding": "speculative", "draft": "toy", "acceptance": "exact", "draft_len": 3,

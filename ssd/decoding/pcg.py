@@ -126,9 +126,9 @@ class Groups:
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
-        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T, V] (one per
-        group) or [..., V] (one for a row's T groups). A group's mass P_c(v) is its
-        shares' sum. Work: the members only, not V."""
+        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T, V] (one
+        per group) or [..., V] (one for a row's T groups). A group's mass P_c(v) is its shares' sum. Work: the
+        members only, not V."""
         index = self._index(groups)  # [..., T, W]
         ids = self.padded.take(index)
         sizes = self._sizes_of_members(laws[0].dtype).take(index)

@@ -114,10 +114,9 @@ def _ar_speed_beside(records: list[dict], ar_records: list[dict]) -> float:
     """How much slower the AR decodes timed beside a run's own were than the AR run's decodes of the same
     utterances (Σ baseline_lm_time / Σ lm_time); 1 where the run timed no AR beside it."""
     ar_time = {r["utt"]: r["lm_time"] for r in ar_records}
-    pairs = [(r["baseline_lm_time"], ar_time[r["utt"]]) for r in records
-             if r.get("baseline_lm_time") is not None and r.get("utt") in ar_time]  # fmt: skip
-    beside, alone = (sum(x) for x in zip(*pairs)) if pairs else (0.0, 0.0)
-    return beside / alone if beside and alone else 1.0
+    paired = [r for r in records if r.get("baseline_lm_time") is not None and r.get("utt") in ar_time]
+    alone = sum(ar_time[r["utt"]] for r in paired)
+    return sum(r["baseline_lm_time"] for r in paired) / alone if alone else 1.0
 
 
 def expected_tokens_per_round(alpha: float, draft_len: int) -> float:
@@ -135,18 +134,23 @@ def add_cost_columns(table: pd.DataFrame, sweep_dir: str | Path) -> pd.DataFrame
     table = table.copy()
     for column in ("c_draft", "draft_per_round", "verify_cost", "predicted_speedup"):
         table[column] = np.nan
+    ar_records: dict[str, list[dict]] = {}  # per AR run, read once
     for idx, row in table[verified_rows(table)].iterrows():
         ar = _ar_runs(table, row)
         if ar.empty or pd.isna(row.get("draft_len")):
             continue
-        ar_records = _timed_records(sweep_dir / ar["run"].iloc[0])
-        ar_sums, records = _run_sums(ar_records), _timed_records(sweep_dir / row["run"])
-        sums = _run_sums(records)
+        ar_run = ar["run"].iloc[0]
+        if ar_run not in ar_records:
+            ar_records[ar_run] = _timed_records(sweep_dir / ar_run)
+        records = _timed_records(sweep_dir / row["run"])
+        ar_sums, sums = _run_sums(ar_records[ar_run]), _run_sums(records)
         if not (
             sums["draft_calls"] and sums["rounds"] and ar_sums["time_verify"] and ar_sums["target_calls"]
         ):
             continue
-        t_ar = ar_sums["time_verify"] / ar_sums["target_calls"] * _ar_speed_beside(records, ar_records)
+        t_ar = (
+            ar_sums["time_verify"] / ar_sums["target_calls"] * _ar_speed_beside(records, ar_records[ar_run])
+        )
         c = sums["time_draft"] / sums["draft_calls"] / t_ar
         d = sums["time_draft"] / sums["rounds"] / t_ar
         v = sums["time_verify"] / sums["target_calls"] / t_ar
