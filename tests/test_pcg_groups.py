@@ -10,7 +10,7 @@ from engine_models import speculative, trigram_pair
 from scipy.stats import binomtest, chisquare
 
 from ssd.decoding.acceptance import ExactRule, ToleranceRule
-from ssd.decoding.pcg import GroupSwap, PCGRule
+from ssd.decoding.pcg import Groups, GroupSwap, PCGRule
 from ssd.decoding.sampling import SamplingConfig
 
 P_REJECT = 1e-3
@@ -218,3 +218,10 @@ def test_runs_record_group_stats_the_swap_and_the_audit(micro_world, tmp_path):
     evaluate(cfg("beta=0.4", AUDIT), tmp_path / "audit")
     for record in read_records(tmp_path / "audit" / RESULTS_FILE):
         assert len(record["beta_audit"]["beta_only"]) == sum(record["accepted"])
+
+
+def test_a_uniform_just_below_one_picks_the_groups_last_member_never_the_next_groups():
+    groups = Groups.from_lists([torch.tensor([4, 0, 2]), torch.tensor([1]), torch.tensor([3, 5])])
+    u = torch.tensor([1 - 2**-24] * 3)  # the largest float32 below 1
+    assert groups.pick(torch.tensor([0, 1, 2]), u).tolist() == [2, 1, 5]
+    assert groups.pick(torch.tensor([0, 1, 2]), torch.zeros(3)).tolist() == [4, 1, 3]

@@ -57,10 +57,13 @@ class Groups:
             torch.arange(len(self.sizes)), self.sizes
         )  # group of each entry
         self.slots = torch.arange(self.width)  # a member's place in its padded group
-        # Past a group's end a padded gather reads one entry after the members: member 0 of size inf, so its
-        # share P(0)/inf is 0 and no mask multiplies the shares.
-        self.end = len(self.members)
-        self.padded = torch.cat([self.members, self.members.new_zeros(1)])
+        # `padded` holds every group's members followed by one sentinel, a copy of its last member of size inf:
+        # a padded gather clamps its slots to the sentinel's, whose share P(u)/inf is 0, so no mask multiplies
+        # the shares; and a uniform pick's floor(u · |G|), which rounding can make |G|, reads the last member.
+        self.start = self.offsets[:-1] + torch.arange(len(self.sizes))  # where G_v starts in `padded`
+        self.padded = self.members.new_zeros(len(self.members) + len(self.sizes))
+        self.padded[torch.arange(len(self.members)) + self.group_of] = self.members
+        self.padded[self.start + self.sizes] = self.members[self.offsets[1:] - 1]
         self._member_sizes: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
@@ -98,47 +101,50 @@ class Groups:
         return len(self.sizes)
 
     def to(self, device) -> Groups:
-        for name in ("offsets", "members", "sizes", "group_of", "slots", "padded"):
+        for name in ("offsets", "members", "sizes", "group_of", "slots", "start", "padded"):
             setattr(self, name, getattr(self, name).to(device))
         self._member_sizes = {}
         return self
 
     def _index(self, groups: torch.Tensor) -> torch.Tensor:
-        """[..., W]: where the members of the groups `groups` [...] lie in `padded` (`end` past a group's end)."""
+        """[..., W]: where the members of the groups `groups` [...] lie in `padded` (their sentinel past a
+        group's end)."""
         if self.members.device != groups.device:
             self.to(groups.device)
-        index = self.offsets.take(groups).unsqueeze(-1) + self.slots
-        return torch.where(self.slots < self.sizes.take(groups).unsqueeze(-1), index, self.end)
+        groups = groups.unsqueeze(-1)
+        return self.start.take(groups) + self.slots.minimum(self.sizes.take(groups))
 
     def of(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [..., W], mask [..., W]): the members of the groups `groups` [...], padded to the largest group."""
-        index = self._index(groups)
-        return self.padded.take(index), index < self.end
+        """(ids [..., W], mask [..., W]): the members of the groups `groups` [...], padded to the largest group
+        (past a group's end, its last member)."""
+        ids = self.padded.take(self._index(groups))
+        return ids, self.slots < self.sizes.take(groups.unsqueeze(-1))
 
     def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
-        floor(u · |G|), read at its offset (no padded gather)."""
+        floor(u · |G|) (at most |G|, the sentinel: the last member again)."""
         if self.members.device != groups.device:
             self.to(groups.device)
-        size = self.sizes.take(groups)
-        slot = (u.reshape(groups.shape) * size).long().clamp(max=size - 1)
-        return self.members.take(self.offsets.take(groups) + slot)
+        return self.padded.take(self.start.take(groups) + (u * self.sizes.take(groups)).long())
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
-        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T, V] (one
-        per group) or [..., V] (one for a row's T groups). A group's mass P_c(v) is its shares' sum. Work: the
-        members only, not V."""
+        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). The laws are all
+        [..., T', V] (one per group; T' >= T, the first T read) or all [..., V] (one for a row's T groups). A
+        group's mass P_c(v) is its shares' sum. Work: the members only, not V."""
         index = self._index(groups)  # [..., T, W]
         ids = self.padded.take(index)
         sizes = self._sizes_of_members(laws[0].dtype).take(index)
-        return ids, *(law.gather(-1, ids.flatten(law.dim() - 1)).view(ids.shape) / sizes for law in laws)
+        if laws[0].dim() == ids.dim():
+            return ids, *(law.gather(-1, ids) / sizes for law in laws)
+        flat = ids.flatten(-2)
+        return ids, *(law.gather(-1, flat).view(ids.shape) / sizes for law in laws)
 
     def _sizes_of_members(self, dtype: torch.dtype) -> torch.Tensor:
-        """m(u) of every entry of `padded`, as `dtype` (inf for the one past the end), made once per dtype."""
+        """m(u) of every entry of `padded`, as `dtype` (inf for the sentinels), made once per dtype."""
         if dtype not in self._member_sizes:
-            sizes = self.sizes[self.members].to(dtype)
-            self._member_sizes[dtype] = torch.cat([sizes, sizes.new_full((1,), torch.inf)])
+            sizes = self.sizes.take(self.padded).to(dtype)
+            self._member_sizes[dtype] = sizes.index_fill_(0, self.start + self.sizes, torch.inf)
         return self._member_sizes[dtype]
 
     def law(self, law: torch.Tensor) -> torch.Tensor:
@@ -249,26 +255,25 @@ class PCGRule(AcceptanceRule):
         u_label, u_accept, u_draw, u_member, u_keep, u_token, u_settle = generator.uniforms(
             (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
             (2, q.dtype))  # fmt: skip
-        # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c)
+        # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c): u < 1, so
+        # u < Q_c / P_c decides it
         labels = self.groups.pick(x, u_label)
-        _, p_label, q_label = self.groups.split(labels, p, q[:, :k])
-        accept = (q_label.sum(-1) / p_label.sum(-1).clamp_min(tiny)).clamp(max=1.0)
-        n_acc = (u_accept < accept).long().cumprod(-1).sum(-1)
+        _, p_label, q_label = self.groups.split(labels, p, q)
+        n_acc = (u_accept < q_label.sum(-1) / p_label.sum(-1).clamp_min(tiny)).cumprod(-1).sum(-1)
         rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
         # At position n_acc: the bonus token (all accepted) or T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
         q_next = q[rows, n_acc]
         drawn = inverse_cdf(q_next, u_draw)
         proposals = self.groups.pick(drawn[:, 1:], u_member)
         ids, p_shares, q_shares = self.groups.split(proposals, p[rows, pos], q_next)
-        # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+
-        pc, qc = p_shares.sum(-1), q_shares.sum(-1)
-        kept = u_keep < (1 - pc / qc.clamp_min(tiny)).clamp_min(0)
+        # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+ (u >= 0 reads the ^+)
+        kept = u_keep < 1 - p_shares.sum(-1) / q_shares.sum(-1).clamp_min(tiny)
         chosen = kept.float().argmax(-1)
         group = proposals[rows, chosen]
         # the emitted token inside the group, from Q's shares over its members
         token = _member(ids[rows, chosen], q_shares[rows, chosen], u_token)
         thinned = kept.any(-1)
-        self._pending = (p, q, pos, u_settle, group, labels[:, 0])  # what `settle` reads
+        self._pending = (p, q, pos, u_settle, group, labels)  # what `settle` reads
         return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, 0])
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
@@ -276,14 +281,14 @@ class PCGRule(AcceptanceRule):
         normalize(max(0, Q_c - P_c)) over every group (Σ|G| work per such row), their token inside it; the draws
         are the two numbers verify kept for each row."""
         rows = (next_token == UNSETTLED).nonzero().squeeze(-1)  # a host read: only after the sync saw some
-        p, q, pos, u, group, label = self._pending
+        p, q, pos, u, group, labels = self._pending
         p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
         residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
         ids, shares = self.groups.split(settled[:, None], q_at)
         out = next_token.clone()
         out[rows] = _member(ids[:, 0], shares[:, 0], u[rows, 1:])
-        self._pending = (p, q, pos, u, group.index_put((rows,), settled), label)
+        self._pending = (p, q, pos, u, group.index_put((rows,), settled), labels)
         return out
 
     def verify_groups(self, p, q, x, generator=None):
@@ -291,8 +296,8 @@ class PCGRule(AcceptanceRule):
         n_acc, next_token = self.verify(p, q, x, generator)
         if bool((next_token == UNSETTLED).any()):
             next_token = self.settle(next_token)
-        *_, group, label = self._pending
-        return n_acc, next_token, torch.where(n_acc == 0, group, label)
+        *_, group, labels = self._pending
+        return n_acc, next_token, torch.where(n_acc == 0, group, labels[:, 0])
 
     # --- laws (certificates) -----------------------------------------------------------------------------
     def coarse_law(self, law: torch.Tensor) -> torch.Tensor:

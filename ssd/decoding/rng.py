@@ -9,6 +9,7 @@ no host sync, any device, and the same numbers for row b whatever batch it is de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import torch
 
@@ -110,7 +111,12 @@ class RowRandom:
         total = sum(n for n, _ in spec)
         if self._block is None or self.drawn + total > self._block.start + self._block.size:
             self._block = _Block(self.keys, self.drawn, max(total, BLOCK))
-        return [self._take(n, dtype) for n, dtype in spec]
+        out = []
+        for dtype, run in groupby(spec, key=lambda item: item[1]):  # one slice per run of one dtype
+            sizes = [n for n, _ in run]
+            taken = self._take(sum(sizes), dtype)
+            out.extend(taken.split(sizes, dim=1) if len(sizes) > 1 else [taken])
+        return out
 
 
 BLOCK = 256  # counters mixed at once per row stream (several rounds of the rule that draws most, PCG: 2k + 3T + 4)
