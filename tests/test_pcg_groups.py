@@ -220,7 +220,7 @@ def test_runs_record_group_stats_the_swap_and_the_audit(micro_world, tmp_path):
         assert len(record["beta_audit"]["beta_only"]) == sum(record["accepted"])
 
 
-def test_a_uniform_just_below_one_picks_the_groups_last_member_never_the_next_groups():
+def test_a_pick_reads_inside_its_own_group_at_both_ends_of_the_uniforms():
     groups = Groups.from_lists([torch.tensor([4, 0, 2]), torch.tensor([1]), torch.tensor([3, 5])])
     u = torch.tensor([1 - 2**-24] * 3)  # the largest float32 below 1
     assert groups.pick(torch.tensor([0, 1, 2]), u).tolist() == [2, 1, 5]

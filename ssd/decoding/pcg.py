@@ -59,7 +59,8 @@ class Groups:
         self.slots = torch.arange(self.width)  # a member's place in its padded group
         # `padded` holds every group's members followed by one sentinel, a copy of its last member of size inf:
         # a padded gather clamps its slots to the sentinel's, whose share P(u)/inf is 0, so no mask multiplies
-        # the shares; and a uniform pick's floor(u · |G|), which rounding can make |G|, reads the last member.
+        # the shares. A uniform pick's floor(u · |G|) stays below |G| for u < 1 (the product rounds down), so
+        # it needs no clamp either.
         self.start = self.offsets[:-1] + torch.arange(len(self.sizes))  # where G_v starts in `padded`
         self.padded = self.members.new_zeros(len(self.members) + len(self.sizes))
         self.padded[torch.arange(len(self.members)) + self.group_of] = self.members
@@ -122,7 +123,7 @@ class Groups:
 
     def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
-        floor(u · |G|) (at most |G|, the sentinel: the last member again)."""
+        floor(u · |G|)."""
         if self.members.device != groups.device:
             self.to(groups.device)
         return self.padded.take(self.start.take(groups) + (u * self.sizes.take(groups)).long())
