@@ -102,18 +102,24 @@ class Attention(nn.Module):
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention; mask bool [B or 1, 1, T, S] (True = attend), None = every key
-    (one query) or causal (T queries over T keys)."""
+    """Scaled dot-product attention; mask [B or 1, 1, T, S]: bool (True = attend) or additive (`additive`),
+    None = every key (one query) or causal (T queries over T keys)."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def block_mask(start: torch.Tensor | int, k: int, span: int, device: Any) -> torch.Tensor:
-    """[B or 1, 1, k, span]: query j of a block written at position start (+ j) sees keys 0..start + j."""
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as the additive one (0 / -inf) sdpa would make of it in every call: a stack
+    of layers makes it once (on a CPU the conversion costs as much as a short attention)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def block_mask(start: torch.Tensor | int, k: int, span: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
+    """[B or 1, 1, k, span], additive: query j of a block written at position start (+ j) sees keys 0..start + j."""
     positions = torch.as_tensor(start, device=device).reshape(-1, 1) + torch.arange(k, device=device)
-    return (torch.arange(span, device=device) <= positions[..., None])[:, None]
+    return additive((torch.arange(span, device=device) <= positions[..., None])[:, None], dtype)
 
 
 class MLP(nn.Module):
@@ -206,7 +212,8 @@ class Backbone(nn.Module):
         if lengths is not None:
             keys = torch.arange(t, device=inputs_embeds.device)
             causal = keys[None, :] <= keys[:, None]  # [T, T]
-            mask = (causal[None] & (keys[None, None, :] < lengths.to(keys.device)[:, None, None]))[:, None]
+            allowed = causal[None] & (keys[None, None, :] < lengths.to(keys.device)[:, None, None])
+            mask = additive(allowed[:, None], inputs_embeds.dtype)
         return self._stack(inputs_embeds, cos, sin, lambda layer: lambda q, k, v: sdpa(q, k, v, mask), taps)
 
     def check_taps(self, taps) -> tuple[int, ...]:
@@ -304,7 +311,7 @@ class Backbone(nn.Module):
         b, k, _ = inputs_embeds.shape
         device = inputs_embeds.device
         positions = lengths[:, None] + torch.arange(k, device=device)  # [B, k]
-        mask = block_mask(lengths, k, k_cache[0].shape[2], device)  # [B, 1, k, C]
+        mask = block_mask(lengths, k, k_cache[0].shape[2], device, inputs_embeds.dtype)  # [B, 1, k, C]
         rows = torch.arange(b, device=device)[:, None]
 
         def attend_at(layer: int):
@@ -346,7 +353,8 @@ class Backbone(nn.Module):
                 cache.v[layer][rows, :, positions] = value.transpose(1, 2)
 
         if self.batch_invariant and b > 1:  # row r attends over its own start_r + k keys, with batch 1's mask
-            row_mask = [None if k == 1 else block_mask(start, k, start + k, device) for start in starts]
+            row_mask = [None if k == 1 else block_mask(start, k, start + k, device, inputs_embeds.dtype)
+                        for start in starts]
 
             def attend_at(layer: int):
                 def attend(q, key, value):
@@ -363,7 +371,7 @@ class Backbone(nn.Module):
             mask = (
                 None
                 if lo == hi and k == 1
-                else block_mask(lo if lo == hi else cache.lengths, k, span, device)
+                else block_mask(lo if lo == hi else cache.lengths, k, span, device, inputs_embeds.dtype)
             )
 
             def attend_at(layer: int):
