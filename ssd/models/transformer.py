@@ -113,7 +113,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask (True = attend) as the additive one (0 / -inf) sdpa would make of it in every call: a stack
     of layers makes it once (on a CPU the conversion costs as much as a short attention)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def block_mask(start: torch.Tensor | int, k: int, span: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -353,8 +355,10 @@ class Backbone(nn.Module):
                 cache.v[layer][rows, :, positions] = value.transpose(1, 2)
 
         if self.batch_invariant and b > 1:  # row r attends over its own start_r + k keys, with batch 1's mask
-            row_mask = [None if k == 1 else block_mask(start, k, start + k, device, inputs_embeds.dtype)
-                        for start in starts]
+            row_mask = [
+                None if k == 1 else block_mask(start, k, start + k, device, inputs_embeds.dtype)
+                for start in starts
+            ]
 
             def attend_at(layer: int):
                 def attend(q, key, value):
