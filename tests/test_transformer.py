@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ssd.models.backbone_config import BackboneConfig  # noqa: E402
-from ssd.models.transformer import Backbone  # noqa: E402
+from ssd.models.transformer import Backbone, additive, block_mask, sdpa  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -162,3 +162,22 @@ def test_bad_config_is_a_clear_error():
         tiny_config("qwen2", num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="not supported"):
         tiny_config("gpt2")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_additive_block_mask_attends_exactly_as_the_bool_mask(dtype):
+    """The verify block's mask is made additive once per call; attention through it is bit for bit what sdpa
+    computes from the bool mask, and a query never sees a key past its own position."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 4, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 30, 8, generator=g).to(dtype) for _ in range(2))
+    start = torch.tensor([20, 13])
+    allowed = (torch.arange(30) <= (start[:, None] + torch.arange(4))[..., None])[:, None]
+    mask = block_mask(start, 4, 30, "cpu", dtype)
+    assert torch.equal(mask, additive(allowed, dtype))
+    assert torch.equal(sdpa(q, k, v, mask), sdpa(q, k, v, allowed))
+    poisoned = v.clone()
+    poisoned[1, :, 17:] = 1e4  # row 1's last query sits at position 16: its keys past that must weigh 0
+    assert torch.equal(sdpa(q, k, poisoned, mask), sdpa(q, k, v, mask))
+    every = torch.ones_like(allowed)  # negative control: a mask that lets the queries see those keys
+    assert not torch.equal(sdpa(q, k, poisoned, every), sdpa(q, k, v, every))
