@@ -111,8 +111,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = attend) as the additive one (0 / -inf) sdpa would make of it in every call: a stack
-    of layers makes it once (on a CPU the conversion costs as much as a short attention)."""
+    """A bool mask (True = attend) as the additive one (0 / -inf) sdpa would otherwise make of it again in every
+    layer: a stack makes it once per call."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, float("-inf")
     )
