@@ -52,6 +52,38 @@ def test_sync_counter_counts_every_host_read_and_nothing_else():
     assert counter.total == 0, counter.calls
 
 
+def test_a_resampling_law_before_min_len_adds_no_host_read_to_a_round():
+    """CosyVoice 2's own law (eos_mode=resample) refuses EOS before min_len, and a row whose law sits wholly on
+    stop tokens falls back to the masked law. Finding those rows must not read the host: a decode that runs
+    wholly before min_len makes as many host reads under that law as under the masking one (SYNTHETIC verdicts,
+    drawn from the rows' own streams, give both the same rounds)."""
+    bench = load_script("bench_decoding")
+    from dataclasses import replace
+
+    from ssd.drafters.heads import HeadsDrafter
+
+    shape = bench.SHAPES["tiny"]
+    target, _ = bench.build_models(shape, "cpu", torch.float32)
+    prompt = bench.make_prompt(shape, 12)
+    drafter = HeadsDrafter(target, heads=3, kind="mtp")
+    resample = bench.SamplingConfig(top_k=25, top_p=0.8, nucleus="cosyvoice", ras_window=10,
+                                    stop_tokens=tuple(target.stop_tokens), eos_mode="resample")  # fmt: skip
+    tokens = 24
+
+    def reads(law, speculative: bool) -> int:
+        request = bench.Request(prompt, tokens, tokens, bench._generator("cpu"))
+        with torch.no_grad(), bench.HostSyncCounter() as counter:
+            if speculative:
+                result = bench.decode_speculative(target, drafter, request, law, bench.SyntheticRule(0.6), 3)
+            else:
+                result = bench.decode_ar(target, request, law)
+        assert len(result.tokens[0]) == tokens
+        return counter.total
+
+    for speculative in (True, False):
+        assert reads(resample, speculative) == reads(replace(resample, eos_mode="mask"), speculative)
+
+
 def test_paired_timing_alternates_the_order_and_reports_the_ratio_of_sums():
     """Every speedup the benchmarks print comes from pairs timed side by side: after one warm-up of each, the
     baseline runs first in even pairs and second in odd ones; speedup = Σ baseline / Σ candidate, with a CI."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -298,3 +300,25 @@ def test_resample_mode_survives_a_nucleus_of_stop_tokens_only():
     )
     torch.testing.assert_close(law, masked)
     assert law[0].tolist() == [0, 0, 1, 0]
+
+
+def test_resample_fallback_is_chosen_row_by_row():
+    """In one batch, a row whose nucleus is only stop tokens takes the masked law, a row past min_len keeps its
+    law, and a row with other tokens in its nucleus is conditioned on them: each as it is alone."""
+    cfg = SamplingConfig(
+        top_k=2, top_p=0.6, nucleus="cosyvoice", ras_window=2, stop_tokens=(3,), eos_mode="resample"
+    )
+    logits = torch.tensor(
+        [[0.0, 0.1, 0.2, 9.0], [0.0, 3.0, 0.2, 3.1], [0.0, 3.0, 0.2, 3.1]], dtype=torch.float64
+    )
+    window = torch.tensor([[0, -1], [2, -1], [2, -1]])
+    step, min_len = torch.tensor([0, 0, 5]), torch.tensor([2, 2, 2])
+    batch = distribution(cfg, logits, window, step, min_len)
+    for row in range(3):
+        alone = distribution(cfg, logits[row : row + 1], window[row : row + 1], step[row : row + 1],
+                             min_len[row : row + 1])  # fmt: skip
+        torch.testing.assert_close(batch[row : row + 1], alone, rtol=0, atol=0)
+    masked = distribution(replace(cfg, eos_mode="mask"),
+                          logits[:1], window[:1], step[:1], min_len[:1])  # fmt: skip
+    torch.testing.assert_close(batch[:1], masked)
+    assert batch[1, 3] == 0 and batch[2, 3] > 0  # EOS refused before min_len only

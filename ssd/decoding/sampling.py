@@ -12,7 +12,7 @@ analytic certificates pass float64).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -165,24 +165,23 @@ def distribution(
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(logits.dtype)
 
     logits = logits / cfg.temperature if cfg.temperature != 1.0 else logits
+    resampling = forbidden is not None and not masking
+    if resampling:
+        # Where the whole law sits on forbidden stop tokens, upstream's redraw loop gives up (raises) after 100
+        # tries; those rows take the masked law instead. Every row's masked law rides along in the same pass
+        # (rows N..2N-1), so finding the rows that need it takes no host read: the round keeps its one sync.
+        logits = torch.cat([logits, logits.masked_fill(forbidden, float("-inf"))])
+        window = None if window is None else torch.cat([window, window])
     probs = torch.softmax(logits, dim=-1)
     nucleus = _nucleus(cfg, logits, probs)
     law = nucleus if cfg.ras_window == 0 else _ras(cfg, nucleus, probs, window)
 
-    if forbidden is not None and not masking:
-        law = law.masked_fill(forbidden, 0.0)
-        mass = law.sum(-1, keepdim=True)
-        hopeless = mass.squeeze(-1) == 0
-        if hopeless.any():
-            # The whole law sat on stop tokens: upstream's redraw loop gives up (raises) after
-            # 100 tries; we take the masked law for those rows instead of failing the batch.
-            # `logits` are already penalised and tempered: the masked law of those rows, from here on.
-            masked = distribution(replace(cfg, eos_mode=cfg.eos_mode.replace("resample", "mask"), temperature=1.0,
-                                          repetition_penalty=None), logits[hopeless], None if window is None
-                                  else window[hopeless], step[hopeless], min_len[hopeless])  # fmt: skip
-            law[hopeless], mass[hopeless] = masked, 1.0
+    if resampling:
+        law, masked = law[:n_rows], law[n_rows:]
+        allowed = law.masked_fill(forbidden, 0.0)
+        mass = allowed.sum(-1, keepdim=True)
         # rows past min_len keep the law they have when none is forbidden
-        law = torch.where(early[:, None], law / mass, law)
+        law = torch.where(early[:, None], torch.where(mass > 0, allowed / mass, masked), law)
     return law
 
 
