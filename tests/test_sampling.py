@@ -309,9 +309,9 @@ def test_resample_fallback_is_chosen_row_by_row():
         top_k=2, top_p=0.6, nucleus="cosyvoice", ras_window=2, stop_tokens=(3,), eos_mode="resample"
     )
     logits = torch.tensor(
-        [[0.0, 0.1, 0.2, 9.0], [0.0, 3.0, 0.2, 3.1], [0.0, 3.0, 0.2, 3.1]], dtype=torch.float64
+        [[0.0, 0.1, 0.2, 9.0], [0.0, 3.0, 2.9, 3.1], [0.0, 3.0, 2.9, 3.1]], dtype=torch.float64
     )
-    window = torch.tensor([[0, -1], [2, -1], [2, -1]])
+    window = torch.tensor([[0, -1], [0, -1], [0, -1]])
     step, min_len = torch.tensor([0, 0, 5]), torch.tensor([2, 2, 2])
     batch = distribution(cfg, logits, window, step, min_len)
     for row in range(3):
@@ -321,4 +321,6 @@ def test_resample_fallback_is_chosen_row_by_row():
     masked = distribution(replace(cfg, eos_mode="mask"),
                           logits[:1], window[:1], step[:1], min_len[:1])  # fmt: skip
     torch.testing.assert_close(batch[:1], masked)
-    assert batch[1, 3] == 0 and batch[2, 3] > 0  # EOS refused before min_len only
+    # row 1: nucleus {3, 1} without the refused 3 is {1}; its masked law would take {1, 2}
+    assert batch[1].tolist() == pytest.approx([0, 1, 0, 0])
+    assert batch[2, 3] > 0 and batch[2, 1] > 0  # past min_len: EOS keeps its share
