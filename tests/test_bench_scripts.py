@@ -6,6 +6,7 @@ import importlib.util
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +59,6 @@ def test_a_resampling_law_before_min_len_adds_no_host_read_to_a_round():
     wholly before min_len makes as many host reads under that law as under the masking one (SYNTHETIC verdicts,
     drawn from the rows' own streams, give both the same rounds)."""
     bench = load_script("bench_decoding")
-    from dataclasses import replace
-
     from ssd.drafters.heads import HeadsDrafter
 
     shape = bench.SHAPES["tiny"]
