@@ -23,7 +23,6 @@ COMPAT_TESTS ?= tests/test_environment.py tests/test_features.py tests/test_tran
 	tests/test_train_cli.py
 test-compat:  ## the version-sensitive tests at the declared floors (torch 2.11 + torchaudio, transformers 4.51.3) in $(COMPAT_VENV)
 	$(PY) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt torch torchaudio
 	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt -e ".[judges,dev,slurm]"
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
