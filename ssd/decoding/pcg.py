@@ -12,6 +12,7 @@ work scale with the group sizes, never with V × the largest group.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -53,9 +54,7 @@ class Groups:
         self.offsets, self.members = offsets.long(), members.long()
         self.sizes = self.offsets.diff()  # m(u) = |G_u|
         self.width = int(self.sizes.max())  # the largest group: fixed per rule, so gathers need no host read
-        self.group_of = torch.repeat_interleave(
-            torch.arange(len(self.sizes)), self.sizes
-        )  # group of each entry
+        group_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes)  # group of each entry
         self.slots = torch.arange(self.width)  # a member's place in its padded group
         # `padded` holds every group's members followed by one sentinel, a copy of its last member of size inf:
         # a padded gather clamps its slots to the sentinel's, whose share P(u)/inf is 0, so no mask multiplies
@@ -63,9 +62,10 @@ class Groups:
         # it needs no clamp either.
         self.start = self.offsets[:-1] + torch.arange(len(self.sizes))  # where G_v starts in `padded`
         self.padded = self.members.new_zeros(len(self.members) + len(self.sizes))
-        self.padded[torch.arange(len(self.members)) + self.group_of] = self.members
+        self.padded[torch.arange(len(self.members)) + group_of] = self.members
         self.padded[self.start + self.sizes] = self.members[self.offsets[1:] - 1]
         self._member_sizes: dict[torch.dtype, torch.Tensor] = {}
+        self._membership: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def from_lists(cls, lists: list[torch.Tensor]) -> Groups:
@@ -102,9 +102,9 @@ class Groups:
         return len(self.sizes)
 
     def to(self, device) -> Groups:
-        for name in ("offsets", "members", "sizes", "group_of", "slots", "start", "padded"):
+        for name in ("offsets", "members", "sizes", "slots", "start", "padded"):
             setattr(self, name, getattr(self, name).to(device))
-        self._member_sizes = {}
+        self._member_sizes, self._membership = {}, {}
         return self
 
     def _index(self, groups: torch.Tensor) -> torch.Tensor:
@@ -149,17 +149,34 @@ class Groups:
         return self._member_sizes[dtype]
 
     def law(self, law: torch.Tensor) -> torch.Tensor:
-        """The coarse law over every group [N, V] of laws [N, V]: one pass over the members (Σ|G| per row)."""
+        """The coarse law over every group [N, V] of laws [N, V]: the sparse membership [groups, tokens] times
+        the shares P(u)/m(u), Σ|G| work per row."""
         if self.members.device != law.device:
             self.to(law.device)
-        split = (law / self.sizes.to(law.dtype))[:, self.members]
-        return law.new_zeros(law.shape).index_add_(1, self.group_of, split)
+        return (self.membership(law.dtype) @ (law / self.sizes.to(law.dtype)).T).T
+
+    def membership(self, dtype: torch.dtype) -> torch.Tensor:
+        """[groups, tokens] 0/1 membership as a sparse CSR matrix of `dtype`, made once per dtype. Its product
+        with a dense matrix sums each group's members in order, row by row, so a row's coarse law has the same
+        bits in any batch."""
+        if dtype not in self._membership:
+            columns = self.members
+            rows = torch.repeat_interleave(torch.arange(self.vocab_size, device=columns.device), self.sizes)
+            # CSR wants each row's columns sorted (groups from vectors or blocks already are)
+            if not bool(((columns.diff() > 0) | (rows.diff() > 0)).all()):
+                columns = columns[(rows * self.vocab_size + columns).argsort()]
+            # torch calls all of CSR "beta"; sparse @ dense is what this uses of it
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+                self._membership[dtype] = torch.sparse_csr_tensor(
+                    self.offsets, columns, columns.new_ones(len(columns), dtype=dtype),
+                    (self.vocab_size, self.vocab_size), check_invariants=True,
+                )  # fmt: skip
+        return self._membership[dtype]
 
     def dense(self, dtype=torch.float64) -> torch.Tensor:
         """[groups, tokens] 0/1 membership (small vocabularies only: the certificates)."""
-        out = torch.zeros(self.vocab_size, self.vocab_size, dtype=dtype, device=self.members.device)
-        out[self.group_of, self.members] = 1
-        return out
+        return self.membership(dtype).to_dense()
 
 
 class PCGRule(AcceptanceRule):
