@@ -119,7 +119,8 @@ class RowRandom:
         return out
 
 
-BLOCK = 256  # counters mixed at once per row stream (several rounds of the rule that draws most, PCG: 2k + 3T + 4)
+# Counters mixed at once per row stream: ~17 rounds of the rule that draws most (PCG: 2k + 3T + 4 per round).
+BLOCK = 1024
 
 
 class _Block:
