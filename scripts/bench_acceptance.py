@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -101,13 +102,30 @@ def torch_calls(step) -> float:
 OP_ROUNDS = 32  # steps the torch calls are counted over (a random block serves several)
 
 
-def target_call_ms(name: str, batch: int, context: int, repeats: int) -> float:
-    """One decode(1) of a random-weight target of `name`'s shape at `context` positions, ms."""
+def target_call(name: str, batch: int, context: int):
+    """One decode(1) of a random-weight target of `name`'s shape at `context` positions (then rolled back),
+    as a step for `bench.paired`: returns (seconds, None)."""
     shape = bench.SHAPES[name]
     target, _ = bench.build_models(shape, "cpu", torch.float32)
-    prompt = bench.make_prompt(shape, context, batch)
     with torch.inference_mode():
-        return 1e3 * bench.step_costs(target, prompt, [1], "cpu", repeats)[1]
+        cache, _ = target.prefill(bench.make_prompt(shape, context, batch), 16)
+    tokens = torch.zeros(batch, 1, dtype=torch.long)
+
+    def call():
+        start = time.perf_counter()
+        target.extend(cache, tokens)
+        target.rollback(cache, 1)
+        return time.perf_counter() - start, None
+
+    return call
+
+
+def chained(ratio: float, ci: list[float], by: float, by_ci: list[float]) -> tuple[float, list[float]]:
+    """ratio × by, with a 95 % CI from the two (independent) ones: their half-widths on the log scale add in
+    quadrature (the delta method)."""
+    half = math.hypot(*(math.log(hi / lo) / 2 for lo, hi in (ci, by_ci)))
+    product = ratio * by
+    return product, [product * math.exp(-half), product * math.exp(half)]
 
 
 def run(args) -> dict:
@@ -116,22 +134,32 @@ def run(args) -> dict:
     for name in args.vocabs:
         vocab = bench.SHAPES[name].speech_tokens + 3
         for batch in args.batches:
-            call = None if args.no_target else target_call_ms(name, batch, args.context, args.repeats)
             p, q, x = laws(vocab, batch, args.draft_len)
             (_, exact), *others = rules(vocab, args.group_sizes)
             exact_step, _ = acceptance_step(exact, p, q, x)
+            call = None
+            if not args.no_target:
+                with torch.inference_mode():
+                    # the exact rule's step timed in pairs beside the target call; every other rule's beside the
+                    # exact one: their product is a rule's share of a call, and a drift of the machine's speed
+                    # between the two timings falls on both sides of each pair
+                    on_call = bench.paired(target_call(name, batch, args.context), exact_step, args.repeats)
+                call = 1e3 * on_call["baseline_seconds"]
+                exact_share, exact_share_ci = 1 / on_call["speedup"], reciprocal_ci(on_call["speedup_ci"])
             for label, rule in [("exact", exact), *others]:
                 step, unsettled = acceptance_step(rule, p, q, x)
                 with torch.inference_mode():
-                    # each rule's steps alternate with the exact rule's, so a drift of the machine's speed
-                    # falls on both: × exact = Σ its seconds / Σ exact's, with a 95 % CI over the pairs
                     timed = bench.paired(exact_step, step, args.repeats)
                     calls = torch_calls(step)
                 ms, vs_exact = 1e3 * timed["seconds"], 1 / timed["speedup"]
                 row = {"shape": name, "vocab": vocab, "batch": batch, "rule": label, "step_ms": ms,
                        "vs_exact": vs_exact, "vs_exact_ci": reciprocal_ci(timed["speedup_ci"]),
-                       "target_call_ms": call, "vs_target_call": ms / call if call else None,
+                       "target_call_ms": call, "vs_target_call": None, "vs_target_call_ci": None,
                        "settled_rows": sum(unsettled) / len(unsettled), "torch_calls": calls}  # fmt: skip
+                if call is not None:
+                    row["vs_target_call"], row["vs_target_call_ci"] = chained(
+                        vs_exact, row["vs_exact_ci"], exact_share, exact_share_ci
+                    )
                 results["rows"].append(row)
                 print(f"V={vocab} B={batch} {label}: {ms:.3f} ms ({vs_exact:.2f}x exact"
                       + (f", {100 * row['vs_target_call']:.1f} % of a target call)" if call else ")"), flush=True)  # fmt: skip
@@ -143,12 +171,16 @@ def markdown(results: dict) -> str:
              f"\nOne acceptance step: `verify` on B rows of L_d = {results['draft_len']} draft tokens (+ `settle` for "
              "the rows PCG's thinning left), median of the repeats, each beside a step of the exact rule (× exact: the "
              "ratio of their summed times, 95 % CI over the pairs); the target call: one decode(1) of a random-weight "
-             "model of that shape (docs/benchmarks.md).\n",
-             "| shape | V | B | rule | step ms | × exact [95% CI] | torch calls | target call ms | % of a target call | rows settled |",
+             "model of that shape, median of the repeats, timed in pairs beside the exact rule's step (% of a target "
+             "call: × exact times the exact step's share of a call, each from its pairs; docs/benchmarks.md).\n",
+             "| shape | V | B | rule | step ms | × exact [95% CI] | torch calls | target call ms | % of a target call [95% CI] | rows settled |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["rows"]:
         call = "-" if r["target_call_ms"] is None else f"{r['target_call_ms']:.1f}"
-        share = "-" if r["vs_target_call"] is None else f"{100 * r['vs_target_call']:.2f}"
+        share = "-"
+        if r["vs_target_call"] is not None:
+            lo, hi = (100 * c for c in r["vs_target_call_ci"])
+            share = f"{100 * r['vs_target_call']:.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(f"| {r['shape']} | {r['vocab']} | {r['batch']} | {r['rule']} | {r['step_ms']:.3f} | "
                      f"{r['vs_exact']:.2f} [{r['vs_exact_ci'][0]:.2f}, {r['vs_exact_ci'][1]:.2f}] | {r['torch_calls']:.1f} | {call} | {share} | {100 * r['settled_rows']:.1f} % |")  # fmt: skip
     return "\n".join(lines) + "\n"

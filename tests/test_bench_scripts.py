@@ -144,6 +144,25 @@ def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_
     assert all(row["vs_exact_ci"][0] <= row["vs_exact"] <= row["vs_exact_ci"][1] for row in rows.values())
     assert rows["pcg, mean group 2.0"]["torch_calls"] > rows["exact"]["torch_calls"] > 10
     assert "torch calls" in (tmp_path / "results.md").read_text()
+    assert all(row["vs_target_call"] is None for row in rows.values())  # --no-target: no call was timed
+
+
+def test_bench_acceptance_gives_each_step_as_a_share_of_a_target_call_with_its_ci(tmp_path):
+    """The share of a target call is × exact times the exact step's share, each from its pairs: a rule's CI
+    holds its estimate, the exact rule's own share is its × exact (about 1) times that same factor, and a
+    step of the toy world's vocabulary costs less than a decode(1) of its target."""
+    bench_acceptance = load_script("bench_acceptance")
+    argv = ["--vocabs", "toy", "--batches", "1", "--group-sizes", "2", "--repeats", "6"]
+    results = bench_acceptance.main([*argv, "--out", str(tmp_path)])
+    rows = {row["rule"]: row for row in results["rows"]}
+    for row in rows.values():
+        lo, hi = row["vs_target_call_ci"]
+        assert 0 < lo <= row["vs_target_call"] <= hi < 1 and row["target_call_ms"] > 0
+    factor = rows["exact"]["vs_target_call"] / rows["exact"]["vs_exact"]
+    assert rows["pcg, mean group 2.0"]["vs_target_call"] == pytest.approx(
+        rows["pcg, mean group 2.0"]["vs_exact"] * factor
+    )
+    assert "% of a target call [95% CI]" in (tmp_path / "results.md").read_text()
 
 
 def test_bench_decoding_quick_run_writes_its_tables(tmp_path):
