@@ -56,15 +56,15 @@ class Groups:
         self.width = int(self.sizes.max())  # the largest group: fixed per rule, so gathers need no host read
         group_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes)  # group of each entry
         self.slots = torch.arange(self.width)  # a member's place in its padded group
-        # `padded` holds every group's members followed by one sentinel, a copy of its last member of size inf:
-        # a padded gather clamps its slots to the sentinel's, whose share P(u)/inf is 0, so no mask multiplies
-        # the shares. A uniform pick's floor(u · |G|) stays below |G| for u < 1 (the product rounds down), so
-        # it needs no clamp either.
+        # `padded` holds every group's members followed by one sentinel, a copy of its last member of weight 0
+        # (in place of 1/m): a padded gather clamps its slots to the sentinel's, whose share is 0, so no mask
+        # multiplies the shares. A uniform pick's floor(u · |G|) stays below |G| for u < 1 (the product rounds
+        # down), so it needs no clamp either.
         self.start = self.offsets[:-1] + torch.arange(len(self.sizes))  # where G_v starts in `padded`
         self.padded = self.members.new_zeros(len(self.members) + len(self.sizes))
         self.padded[torch.arange(len(self.members)) + group_of] = self.members
         self.padded[self.start + self.sizes] = self.members[self.offsets[1:] - 1]
-        self._member_sizes: dict[torch.dtype, torch.Tensor] = {}
+        self._member_weights: dict[torch.dtype, torch.Tensor] = {}
         self._membership: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
@@ -104,7 +104,7 @@ class Groups:
     def to(self, device) -> Groups:
         for name in ("offsets", "members", "sizes", "slots", "start", "padded"):
             setattr(self, name, getattr(self, name).to(device))
-        self._member_sizes, self._membership = {}, {}
+        self._member_weights, self._membership = {}, {}
         return self
 
     def _index(self, groups: torch.Tensor) -> torch.Tensor:
@@ -130,23 +130,29 @@ class Groups:
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
-        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). The laws are all
-        [..., T', V] (one per group; T' >= T, the first T read) or all [..., V] (one for a row's T groups). A
-        group's mass P_c(v) is its shares' sum. Work: the members only, not V."""
-        index = self._index(groups)  # [..., T, W]
-        ids = self.padded.take(index)
-        sizes = self._sizes_of_members(laws[0].dtype).take(index)
-        if laws[0].dim() == ids.dim():
-            return ids, *(law.gather(-1, ids) / sizes for law in laws)
-        flat = ids.flatten(-2)
-        return ids, *(law.gather(-1, flat).view(ids.shape) / sizes for law in laws)
+        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T', V]
+        (one per group, T' >= T: the first T read) or [..., 1, V] (one for a row's T groups). Work: the members
+        only, not V."""
+        ids, weights = self._members(groups, laws[0].dtype)
+        return ids, *(_read(law, ids) * weights for law in laws)
 
-    def _sizes_of_members(self, dtype: torch.dtype) -> torch.Tensor:
-        """m(u) of every entry of `padded`, as `dtype` (inf for the sentinels), made once per dtype."""
-        if dtype not in self._member_sizes:
-            sizes = self.sizes.take(self.padded).to(dtype)
-            self._member_sizes[dtype] = sizes.index_fill_(0, self.start + self.sizes, torch.inf)
-        return self._member_sizes[dtype]
+    def masses(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per law, the mass P_c(v) = Σ_{u in G_v} P(u)/m(u) of each group v of `groups` [..., T] (the sum of
+        its shares in `split`; laws as there): [..., T] each."""
+        ids, weights = self._members(groups, laws[0].dtype)
+        return tuple(torch.linalg.vecdot(_read(law, ids), weights) for law in laws)
+
+    def _members(self, groups: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, 1/m(u)) of the members of the groups `groups` [...], both [..., W] (0 past a group's end)."""
+        index = self._index(groups)
+        return self.padded.take(index), self._inverse_sizes(dtype).take(index)
+
+    def _inverse_sizes(self, dtype: torch.dtype) -> torch.Tensor:
+        """1/m(u) of every entry of `padded`, as `dtype` (0 for the sentinels), made once per dtype."""
+        if dtype not in self._member_weights:
+            weights = self.sizes.take(self.padded).to(dtype).reciprocal()
+            self._member_weights[dtype] = weights.index_fill_(0, self.start + self.sizes, 0)
+        return self._member_weights[dtype]
 
     def law(self, law: torch.Tensor) -> torch.Tensor:
         """The coarse law over every group [N, V] of laws [N, V]: the sparse membership [groups, tokens] times
@@ -190,11 +196,12 @@ class PCGRule(AcceptanceRule):
     Token u lies in m(u) = |G_u| groups and gives each of them P(u)/m(u). Draft token x ~ P, group label v
     uniform in G_x (so v ~ P_c); accept with min(1, Q_c(v)/P_c(v)) and keep x. On rejection draw v from
     normalize(max(0, Q_c - P_c)) by thinning: `thinning_trials` proposals v ~ Q_c at once (u ~ Q, v uniform in
-    G_u), the first kept with probability max(0, 1 - P_c(v)/Q_c(v)). The emitted token is then drawn inside G_v
-    from Q's mass split, Q(u)/m(u) normalised over G_v. A row whose trials all failed (rare: the residual has
-    little mass there) is left UNSETTLED, and `settle` draws its group from the enumerated residual after the
-    round's host sync, with numbers `verify` drew for every row, so the work and the draws of a row never
-    depend on the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
+    G_u), the first kept with probability max(0, 1 - P_c(v)/Q_c(v)). The emitted token is the u of the kept
+    proposal: given v, u has Q's mass split over G_v, Q(u)/m(u) normalised, which is the token law inside the
+    group. A row whose trials all failed (rare: the residual has little mass there) is left UNSETTLED, and
+    `settle` draws its group from the enumerated residual after the round's host sync, then its token from Q's
+    mass split, with numbers `verify` drew for every row, so the work and the draws of a row never depend on
+    the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
     """
 
     name = "pcg"
@@ -261,7 +268,7 @@ class PCGRule(AcceptanceRule):
 
     # --- verification -------------------------------------------------------------------------------
     def verify(self, p, q, x, generator=None):
-        """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 4
+        """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 3
         numbers per row (T = thinning_trials), whatever the verdicts.
 
         Two gathers of group members: the draft tokens' labels at every position, then, at the one position
@@ -269,30 +276,31 @@ class PCGRule(AcceptanceRule):
         and the bonus token from the same draw."""
         batch, k = x.shape
         generator = RowRandom.of(generator, batch, x.device)
-        tiny, trials, f32 = torch.finfo(q.dtype).tiny, self.thinning_trials, torch.float32
-        u_label, u_accept, u_draw, u_member, u_keep, u_token, u_settle = generator.uniforms(
-            (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (1, q.dtype),
-            (2, q.dtype))  # fmt: skip
+        trials, f32 = self.thinning_trials, torch.float32
+        u_label, u_accept, u_draw, u_member, u_keep, u_settle = generator.uniforms(
+            (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (2, q.dtype))  # fmt: skip
         # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c): u < 1, so
-        # u < Q_c / P_c decides it
+        # u · P_c < Q_c decides it (P_c > 0: x was drawn from P)
         labels = self.groups.pick(x, u_label)
-        _, p_label, q_label = self.groups.split(labels, p, q)
-        n_acc = (u_accept < q_label.sum(-1) / p_label.sum(-1).clamp_min(tiny)).cumprod(-1).sum(-1)
+        p_label, q_label = self.groups.masses(labels, p, q)
+        n_acc = (u_accept * p_label < q_label).cumprod(-1).sum(-1)
         rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
         # At position n_acc: the bonus token (all accepted) or T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
-        q_next = q[rows, n_acc]
-        drawn = inverse_cdf(q_next, u_draw)
-        proposals = self.groups.pick(drawn[:, 1:], u_member)
-        ids, p_shares, q_shares = self.groups.split(proposals, p[rows, pos], q_next)
-        # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+ (u >= 0 reads the ^+)
-        kept = u_keep < 1 - p_shares.sum(-1) / q_shares.sum(-1).clamp_min(tiny)
+        q_next = q[rows, n_acc, None]
+        drawn = inverse_cdf(q_next[:, 0], u_draw)
+        tokens = drawn[:, 1:]
+        proposals = self.groups.pick(tokens, u_member)
+        p_proposed, q_proposed = self.groups.masses(proposals, p[rows, pos, None], q_next)
+        # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+, i.e. where u · Q_c > P_c
+        # (Q_c > 0: v is a group of a token Q drew)
+        kept = u_keep * q_proposed > p_proposed
         chosen = kept.float().argmax(-1)
         group = proposals[rows, chosen]
-        # the emitted token inside the group, from Q's shares over its members
-        token = _member(ids[rows, chosen], q_shares[rows, chosen], u_token)
-        thinned = kept.any(-1)
+        # The token whose proposal was kept: given its group v, its law is Q(u)/m(u) over u in G_v, the share
+        # each member gave Q_c(v), which is the law the emitted token must have inside the group
+        token = tokens[rows, chosen]
         self._pending = (p, q, pos, u_settle, group, labels)  # what `settle` reads
-        return n_acc, torch.where(n_acc < k, torch.where(thinned, token, UNSETTLED), drawn[:, 0])
+        return n_acc, torch.where(n_acc < k, torch.where(kept.any(-1), token, UNSETTLED), drawn[:, 0])
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
         """Finish the UNSETTLED rows of the last `verify`: their group from the enumerated residual
@@ -303,7 +311,7 @@ class PCGRule(AcceptanceRule):
         p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
         residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
-        ids, shares = self.groups.split(settled[:, None], q_at)
+        ids, shares = self.groups.split(settled[:, None], q_at[:, None])
         out = next_token.clone()
         out[rows] = _member(ids[:, 0], shares[:, 0], u[rows, 1:])
         self._pending = (p, q, pos, u, group.index_put((rows,), settled), labels)
@@ -347,6 +355,14 @@ class PCGRule(AcceptanceRule):
             return f"PCGRule(theta={self.theta}, groups not built yet: bind(target))"
         mean = self.groups.sizes.float().mean()
         return f"PCGRule(theta={self.theta:.4f}, source={self.source.name}, vocab={self.vocab_size}, mean_group={mean:.2f})"
+
+
+def _read(law: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """law[..., ids]: laws [..., T' >= T, V] (the first T read) or [..., 1, V] read at ids [..., T, W] (a gather,
+    expanded for one law: take_along_dim broadcasts the same, at several times the cost)."""
+    if law.shape[-2] == 1:
+        law = law.expand(*ids.shape[:-1], law.shape[-1])
+    return law.gather(-1, ids)
 
 
 def _member(ids: torch.Tensor, shares: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

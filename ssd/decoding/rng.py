@@ -119,7 +119,7 @@ class RowRandom:
         return out
 
 
-# Counters mixed at once per row stream: ~17 rounds of the rule that draws most (PCG: 2k + 3T + 4 per round).
+# Counters mixed at once per row stream: ~17 rounds of the rule that draws most (PCG: 2k + 3T + 3 per round).
 BLOCK = 1024
 
 
