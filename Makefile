@@ -10,8 +10,14 @@ install:  ## flite + sox for the toy world (apt), torch (CPU wheel) first, then 
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[judges,dev,slurm]"
 
-test:  ## fast test suite (minutes)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q --durations=15
+# pytest-xdist workers: one per core of a 2-core machine. A test module stays on one worker (its module fixtures
+# are built once), and every worker runs torch on one thread (tests/conftest.py), so they do not compete.
+TEST_WORKERS ?= 2
+PYTEST_ARGS = -q -n $(TEST_WORKERS) --dist loadscope
+OFFLINE = HF_HUB_OFFLINE=1 WANDB_MODE=offline
+
+test:  ## fast test suite (minutes; TEST_WORKERS=1 runs it in one process)
+	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS) --durations=15
 
 COMPAT_VENV ?= .venv-compat
 # The tests of every part that calls a versioned API (torch, torchaudio, transformers, lightning, numpy): model
@@ -25,10 +31,10 @@ test-compat:  ## the version-sensitive tests at the declared floors (torch 2.11 
 	$(PY) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt torch torchaudio
 	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints/compat.txt -e ".[judges,dev,slurm]"
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
+	$(OFFLINE) $(COMPAT_VENV)/bin/python -m pytest $(PYTEST_ARGS) $(COMPAT_TESTS)
 
 test-slow:  ## the slow tests only
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m slow
+	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS) -m slow
 
 lint:  ## ruff
 	$(PY) -m ruff check ssd tests scripts *.py

@@ -21,6 +21,10 @@ pytest_plugins = ["tests.fixtures_models", "tests.fixtures_eval", "tests.fixture
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs a worker per core; torch threads of two workers competing for the cores slow both
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
