@@ -149,17 +149,15 @@ def test_bench_acceptance_times_every_rule_and_counts_the_calls_of_one_step(tmp_
 
 def test_bench_acceptance_gives_each_step_as_a_share_of_a_target_call_with_its_ci(tmp_path):
     """The share of a target call is × exact times the exact step's share, each from its pairs: a rule's CI
-    holds its estimate, every rule's share is its × exact times the same factor, and a step of the toy world's
-    vocabulary costs less than a decode(1) of its target (a CI from 6 pairs may be unbounded: only the estimate
-    is compared with 1)."""
+    holds its estimate and every rule's share is its × exact times the same factor. (How large a share is, is
+    the benchmark's finding, not a test's: the tests share the machine.)"""
     bench_acceptance = load_script("bench_acceptance")
     argv = ["--vocabs", "toy", "--batches", "1", "--group-sizes", "2", "--repeats", "6"]
     results = bench_acceptance.main([*argv, "--out", str(tmp_path)])
     rows = {row["rule"]: row for row in results["rows"]}
     for row in rows.values():
         lo, hi = row["vs_target_call_ci"]
-        assert lo <= row["vs_target_call"] <= hi and row["target_call_ms"] > 0
-        assert 0 < row["vs_target_call"] < 1
+        assert 0 < lo <= row["vs_target_call"] <= hi and row["target_call_ms"] > 0
     factor = rows["exact"]["vs_target_call"] / rows["exact"]["vs_exact"]
     assert rows["pcg, mean group 2.0"]["vs_target_call"] == pytest.approx(
         rows["pcg, mean group 2.0"]["vs_exact"] * factor
