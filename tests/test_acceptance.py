@@ -257,4 +257,4 @@ def test_verify_draws_a_fixed_count_per_row_and_a_row_verifies_as_alone(rule):
         assert (n_b.item(), token_b.item()) == (n_acc[b].item(), token[b].item())
         assert alone.drawn == batch_rng.drawn
     if isinstance(rule, PCGRule):
-        assert unsettled.any() and batch_rng.drawn == 2 * k + 3 * rule.thinning_trials + 3
+        assert unsettled.any() and batch_rng.drawn == 2 * k + 3 * rule.thinning_trials + 2

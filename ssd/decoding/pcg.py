@@ -198,10 +198,11 @@ class PCGRule(AcceptanceRule):
     normalize(max(0, Q_c - P_c)) by thinning: `thinning_trials` proposals v ~ Q_c at once (u ~ Q, v uniform in
     G_u), the first kept with probability max(0, 1 - P_c(v)/Q_c(v)). The emitted token is the u of the kept
     proposal: given v, u has Q's mass split over G_v, Q(u)/m(u) normalised, which is the token law inside the
-    group. A row whose trials all failed (rare: the residual has little mass there) is left UNSETTLED, and
-    `settle` draws its group from the enumerated residual after the round's host sync, then its token from Q's
-    mass split, with numbers `verify` drew for every row, so the work and the draws of a row never depend on
-    the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
+    group. When all draft tokens were kept, the bonus position is the same draw with P = 0 (every proposal
+    kept, so the bonus token is the first proposal's u ~ Q). A row whose trials all failed (rare: the residual
+    has little mass there) is left UNSETTLED, and `settle` draws its group from the enumerated residual after
+    the round's host sync, then its token from Q's mass split, with numbers `verify` drew for every row, so the
+    work and the draws of a row never depend on the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
     """
 
     name = "pcg"
@@ -268,53 +269,52 @@ class PCGRule(AcceptanceRule):
 
     # --- verification -------------------------------------------------------------------------------
     def verify(self, p, q, x, generator=None):
-        """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 3
+        """(n_accepted [B], next token [B], UNSETTLED where `settle` must finish the row). Draws 2k + 3T + 2
         numbers per row (T = thinning_trials), whatever the verdicts.
 
         Two gathers of group members: the draft tokens' labels at every position, then, at the one position
-        each row's verdicts select (its first rejection, or the bonus position), the T thinning proposals
-        and the bonus token from the same draw."""
+        each row's verdicts select (its first rejection, or the bonus position), the T thinning proposals."""
         batch, k = x.shape
-        generator = RowRandom.of(generator, batch, x.device)
-        trials, f32 = self.thinning_trials, torch.float32
-        u_label, u_accept, u_draw, u_member, u_keep, u_settle = generator.uniforms(
-            (k, f32), (k, q.dtype), (1 + trials, q.dtype), (trials, f32), (trials, q.dtype), (2, q.dtype))  # fmt: skip
+        trials = self.thinning_trials
+        u = RowRandom.of(generator, batch, x.device).uniform(2 * k + 3 * trials + 2, q.dtype)
+        u_label, u_accept, u_draw, u_member, u_keep, u_settle = u.split_with_sizes(
+            (k, k, trials, trials, trials, 2), 1
+        )
         # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c): u < 1, so
         # u · P_c < Q_c decides it (P_c > 0: x was drawn from P)
         labels = self.groups.pick(x, u_label)
         p_label, q_label = self.groups.masses(labels, p, q)
         n_acc = (u_accept * p_label < q_label).cumprod(-1).sum(-1)
         rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
-        # At position n_acc: the bonus token (all accepted) or T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
+        # At position n_acc: T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
         q_next = q[rows, n_acc, None]
-        drawn = inverse_cdf(q_next[:, 0], u_draw)
-        tokens = drawn[:, 1:]
+        tokens = inverse_cdf(q_next[:, 0], u_draw)
         proposals = self.groups.pick(tokens, u_member)
         p_proposed, q_proposed = self.groups.masses(proposals, p[rows, pos, None], q_next)
         # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+, i.e. where u · Q_c > P_c
-        # (Q_c > 0: v is a group of a token Q drew)
-        kept = u_keep * q_proposed > p_proposed
-        chosen = kept.float().argmax(-1)
-        group = proposals[rows, chosen]
+        # (Q_c > 0: v is a group of a token Q drew). At the bonus position the draft proposed nothing (P = 0),
+        # so the first proposal is kept: its token, a draw of Q, is the bonus token.
+        kept = (u_keep * q_proposed > p_proposed) | (n_acc == k)[:, None]
+        settled, chosen = kept.max(-1)  # the first kept proposal (max returns the first of equal values)
         # The token whose proposal was kept: given its group v, its law is Q(u)/m(u) over u in G_v, the share
         # each member gave Q_c(v), which is the law the emitted token must have inside the group
-        token = tokens[rows, chosen]
-        self._pending = (p, q, pos, u_settle, group, labels)  # what `settle` reads
-        return n_acc, torch.where(n_acc < k, torch.where(kept.any(-1), token, UNSETTLED), drawn[:, 0])
+        self._pending = (p, q, pos, u_settle, proposals, chosen, labels)  # what `settle` reads
+        return n_acc, torch.where(settled, tokens[rows, chosen], UNSETTLED)
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
         """Finish the UNSETTLED rows of the last `verify`: their group from the enumerated residual
         normalize(max(0, Q_c - P_c)) over every group (Σ|G| work per such row), their token inside it; the draws
         are the two numbers verify kept for each row."""
         rows = (next_token == UNSETTLED).nonzero().squeeze(-1)  # a host read: only after the sync saw some
-        p, q, pos, u, group, labels = self._pending
+        p, q, pos, u, proposals, chosen, labels = self._pending
         p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
         residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
         ids, shares = self.groups.split(settled[:, None], q_at[:, None])
         out = next_token.clone()
         out[rows] = _member(ids[:, 0], shares[:, 0], u[rows, 1:])
-        self._pending = (p, q, pos, u, group.index_put((rows,), settled), labels)
+        # the settled group takes the place of the (unkept) proposal `chosen` points at
+        self._pending = (p, q, pos, u, proposals.index_put((rows, chosen[rows]), settled), chosen, labels)
         return out
 
     def verify_groups(self, p, q, x, generator=None):
@@ -322,7 +322,8 @@ class PCGRule(AcceptanceRule):
         n_acc, next_token = self.verify(p, q, x, generator)
         if bool((next_token == UNSETTLED).any()):
             next_token = self.settle(next_token)
-        *_, group, labels = self._pending
+        *_, proposals, chosen, labels = self._pending
+        group = proposals.gather(1, chosen[:, None])[:, 0]
         return n_acc, next_token, torch.where(n_acc == 0, group, labels[:, 0])
 
     # --- laws (certificates) -----------------------------------------------------------------------------

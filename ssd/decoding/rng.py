@@ -9,7 +9,6 @@ no host sync, any device, and the same numbers for row b whatever batch it is de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import groupby
 
 import torch
 
@@ -105,21 +104,8 @@ class RowRandom:
         self.drawn += n
         return block.get(dtype)[:, offset : offset + n]
 
-    def uniforms(self, *spec: tuple[int, torch.dtype]) -> list[torch.Tensor]:
-        """uniform(n, dtype) for each (n, dtype) of `spec`: successive calls, mixed as one block when they fit
-        in one."""
-        total = sum(n for n, _ in spec)
-        if self._block is None or self.drawn + total > self._block.start + self._block.size:
-            self._block = _Block(self.keys, self.drawn, max(total, BLOCK))
-        out = []
-        for dtype, run in groupby(spec, key=lambda item: item[1]):  # one slice per run of one dtype
-            sizes = [n for n, _ in run]
-            taken = self._take(sum(sizes), dtype)
-            out.extend(taken.split(sizes, dim=1) if len(sizes) > 1 else [taken])
-        return out
 
-
-# Counters mixed at once per row stream: ~17 rounds of the rule that draws most (PCG: 2k + 3T + 3 per round).
+# Counters mixed at once per row stream: ~17 rounds of the rule that draws most (PCG: 2k + 3T + 2 per round).
 BLOCK = 1024
 
 
