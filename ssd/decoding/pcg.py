@@ -202,7 +202,8 @@ class PCGRule(AcceptanceRule):
     kept, so the bonus token is the first proposal's u ~ Q). A row whose trials all failed (rare: the residual
     has little mass there) is left UNSETTLED, and `settle` draws its group from the enumerated residual after
     the round's host sync, then its token from Q's mass split, with numbers `verify` drew for every row, so the
-    work and the draws of a row never depend on the data or on the other rows. Guarantee: the emitted GROUP sequence is an exact sample of Q_c.
+    work and the draws of a row never depend on the data or on the other rows. Guarantee: the emitted GROUP
+    sequence is an exact sample of Q_c.
     """
 
     name = "pcg"
@@ -296,9 +297,9 @@ class PCGRule(AcceptanceRule):
         # so the first proposal is kept: its token, a draw of Q, is the bonus token.
         kept = (u_keep * q_proposed > p_proposed) | (n_acc == k)[:, None]
         settled, chosen = kept.max(-1)  # the first kept proposal (max returns the first of equal values)
+        self._pending = (p, q, pos, u_settle, proposals, chosen, labels)  # what `settle` reads
         # The token whose proposal was kept: given its group v, its law is Q(u)/m(u) over u in G_v, the share
         # each member gave Q_c(v), which is the law the emitted token must have inside the group
-        self._pending = (p, q, pos, u_settle, proposals, chosen, labels)  # what `settle` reads
         return n_acc, torch.where(settled, tokens[rows, chosen], UNSETTLED)
 
     def settle(self, next_token: torch.Tensor) -> torch.Tensor:
