@@ -101,7 +101,7 @@ class AcceptanceRule:
         n_acc = (u < accept).long().cumprod(-1).sum(-1)
         rejected = n_acc < k
         pos = n_acc.clamp(max=k - 1)
-        rows = torch.arange(batch, device=x.device)
+        rows = generator.row_ids
         replacement = self.residual(p[rows, pos], q[rows, pos], x[rows, pos])
         law = torch.where(rejected.unsqueeze(-1), replacement, q[:, k])
         return n_acc, self.sample_next(law, generator), u

@@ -64,6 +64,7 @@ class Groups:
         self.padded = self.members.new_zeros(len(self.members) + len(self.sizes))
         self.padded[torch.arange(len(self.members)) + group_of] = self.members
         self.padded[self.start + self.sizes] = self.members[self.offsets[1:] - 1]
+        self._sizes_as: dict[torch.dtype, torch.Tensor] = {}
         self._member_weights: dict[torch.dtype, torch.Tensor] = {}
         self._membership: dict[torch.dtype, torch.Tensor] = {}
 
@@ -101,17 +102,22 @@ class Groups:
     def vocab_size(self) -> int:
         return len(self.sizes)
 
+    def on(self, device: torch.device) -> Groups:
+        """These groups, moved to `device` first if they live elsewhere (one check per call of a rule, not per
+        gather)."""
+        if self.members.device != device:
+            self.to(device)
+        return self
+
     def to(self, device) -> Groups:
         for name in ("offsets", "members", "sizes", "slots", "start", "padded"):
             setattr(self, name, getattr(self, name).to(device))
-        self._member_weights, self._membership = {}, {}
+        self._sizes_as, self._member_weights, self._membership = {}, {}, {}
         return self
 
     def _index(self, groups: torch.Tensor) -> torch.Tensor:
         """[..., W]: where the members of the groups `groups` [...] lie in `padded` (their sentinel past a
         group's end)."""
-        if self.members.device != groups.device:
-            self.to(groups.device)
         groups = groups.unsqueeze(-1)
         return self.start.take(groups) + self.slots.minimum(self.sizes.take(groups))
 
@@ -124,9 +130,7 @@ class Groups:
     def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
         floor(u · |G|)."""
-        if self.members.device != groups.device:
-            self.to(groups.device)
-        return self.padded.take(self.start.take(groups) + (u * self.sizes.take(groups)).long())
+        return self.padded.take(self.start.take(groups) + (u * self._float_sizes(u.dtype).take(groups)).long())
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
@@ -140,12 +144,18 @@ class Groups:
         """Per law, the mass P_c(v) = Σ_{u in G_v} P(u)/m(u) of each group v of `groups` [..., T] (the sum of
         its shares in `split`; laws as there): [..., T] each."""
         ids, weights = self._members(groups, laws[0].dtype)
-        return tuple(torch.linalg.vecdot(_read(law, ids), weights) for law in laws)
+        return [torch.linalg.vecdot(_read(law, ids), weights) for law in laws]
 
     def _members(self, groups: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, 1/m(u)) of the members of the groups `groups` [...], both [..., W] (0 past a group's end)."""
         index = self._index(groups)
         return self.padded.take(index), self._inverse_sizes(dtype).take(index)
+
+    def _float_sizes(self, dtype: torch.dtype) -> torch.Tensor:
+        """|G_v| of every group as `dtype`, made once per dtype (a product of two dtypes costs a cast per call)."""
+        if dtype not in self._sizes_as:
+            self._sizes_as[dtype] = self.sizes.to(dtype)
+        return self._sizes_as[dtype]
 
     def _inverse_sizes(self, dtype: torch.dtype) -> torch.Tensor:
         """1/m(u) of every entry of `padded`, as `dtype` (0 for the sentinels), made once per dtype."""
@@ -157,8 +167,6 @@ class Groups:
     def law(self, law: torch.Tensor) -> torch.Tensor:
         """The coarse law over every group [N, V] of laws [N, V]: the sparse membership [groups, tokens] times
         the shares P(u)/m(u), Σ|G| work per row."""
-        if self.members.device != law.device:
-            self.to(law.device)
         return (self.membership(law.dtype) @ (law / self.sizes.to(law.dtype)).T).T
 
     def membership(self, dtype: torch.dtype) -> torch.Tensor:
@@ -266,7 +274,7 @@ class PCGRule(AcceptanceRule):
 
     def members(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [..., W], mask [..., W]): the members of the groups G_v for group ids v [...], padded."""
-        return self.groups.of(groups)
+        return self.groups.on(groups.device).of(groups)
 
     # --- verification -------------------------------------------------------------------------------
     def verify(self, p, q, x, generator=None):
@@ -277,25 +285,28 @@ class PCGRule(AcceptanceRule):
         each row's verdicts select (its first rejection, or the bonus position), the T thinning proposals."""
         batch, k = x.shape
         trials = self.thinning_trials
-        u = RowRandom.of(generator, batch, x.device).uniform(2 * k + 3 * trials + 2, q.dtype)
+        streams = RowRandom.of(generator, batch, x.device)
+        u = streams.uniform(2 * k + 3 * trials + 2, q.dtype)
         u_label, u_accept, u_draw, u_member, u_keep, u_settle = u.split_with_sizes(
             (k, k, trials, trials, trials, 2), 1
         )
         # The label of each draft token x, uniform in G_x (so ~ P_c), kept with min(1, Q_c / P_c): u < 1, so
         # u · P_c < Q_c decides it (P_c > 0: x was drawn from P)
-        labels = self.groups.pick(x, u_label)
-        p_label, q_label = self.groups.masses(labels, p, q)
-        n_acc = (u_accept * p_label < q_label).cumprod(-1).sum(-1)
-        rows, pos = torch.arange(batch, device=x.device), n_acc.clamp(max=k - 1)
+        groups = self.groups.on(x.device)
+        labels = groups.pick(x, u_label)
+        p_label, q_label = groups.masses(labels, p, q)
+        accepted = u_accept * p_label < q_label
+        n_acc = accepted.cumprod(-1).sum(-1)
+        rows, pos = streams.row_ids, n_acc.clamp(max=k - 1)
         # At position n_acc: T proposals v ~ Q_c (u ~ Q, v uniform in G_u)
-        q_next = q[rows, n_acc, None]
-        tokens = inverse_cdf(q_next[:, 0], u_draw)
-        proposals = self.groups.pick(tokens, u_member)
-        p_proposed, q_proposed = self.groups.masses(proposals, p[rows, pos, None], q_next)
+        q_next = q[rows, n_acc]
+        tokens = inverse_cdf(q_next, u_draw)
+        proposals = groups.pick(tokens, u_member)
+        p_proposed, q_proposed = groups.masses(proposals, p[rows, pos].unsqueeze(1), q_next.unsqueeze(1))
         # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+, i.e. where u · Q_c > P_c
         # (Q_c > 0: v is a group of a token Q drew). At the bonus position the draft proposed nothing (P = 0),
         # so the first proposal is kept: its token, a draw of Q, is the bonus token.
-        kept = (u_keep * q_proposed > p_proposed) | (n_acc == k)[:, None]
+        kept = (u_keep * q_proposed > p_proposed) | accepted.all(-1, keepdim=True)
         settled, chosen = kept.max(-1)  # the first kept proposal (max returns the first of equal values)
         self._pending = (p, q, pos, u_settle, proposals, chosen, labels)  # what `settle` reads
         # The token whose proposal was kept: given its group v, its law is Q(u)/m(u) over u in G_v, the share
@@ -330,7 +341,7 @@ class PCGRule(AcceptanceRule):
     # --- laws (certificates) -----------------------------------------------------------------------------
     def coarse_law(self, law: torch.Tensor) -> torch.Tensor:
         """Q_c over every group [N, V]."""
-        return self.groups.law(law)
+        return self.groups.on(law.device).law(law)
 
     def group_law(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Exact one-step law of the emitted group label [N, V]."""
@@ -344,7 +355,7 @@ class PCGRule(AcceptanceRule):
         pc, qc = self.coarse_law(p), self.coarse_law(q)
         accept_group = (qc / pc.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)  # [N, V groups]
         sizes = self.groups.sizes.to(p.dtype)
-        member = self.groups.dense(p.dtype)  # [groups, tokens]
+        member = self.groups.on(p.device).dense(p.dtype)  # [groups, tokens]
         kept = p / sizes * (accept_group @ member)  # token x kept via each of its groups
         residual = _normalize((qc - pc).clamp_min(0))
         in_group = member * (q / sizes).unsqueeze(-2)  # [N, groups, tokens]
@@ -416,5 +427,5 @@ class GroupSwap:
         ids = torch.as_tensor(tokens, dtype=torch.long)
         speech = ids < self.groups.speech_tokens  # stop/text ids stay
         u = torch.rand(len(tokens), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        drawn = self.groups.groups.pick(torch.where(speech, ids, 0), u)
+        drawn = self.groups.groups.on(ids.device).pick(torch.where(speech, ids, 0), u)
         return torch.where(speech, drawn, ids).tolist()

@@ -44,6 +44,7 @@ class RowRandom:
         seeds = [int(s) for s in torch.as_tensor(seeds).reshape(-1).tolist()]
         self.seeds = tuple(seeds)
         self.keys = _mix(torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.long, device=device))
+        self.row_ids = torch.arange(len(seeds), device=self.keys.device)  # made once: rules index rows with it
         self.drawn = 0  # numbers drawn per row so far (host-side: advancing it needs no sync)
         self._block: _Block | None = None
 
@@ -82,6 +83,7 @@ class RowRandom:
         index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
         sub.seeds = tuple(self.seeds[i] for i in index.tolist())
         sub.keys, sub.drawn, sub._block = self.keys[index], self.drawn, None
+        sub.row_ids = torch.arange(len(index), device=sub.keys.device)
         return sub
 
     def bits(self, n: int) -> torch.Tensor:

@@ -274,6 +274,9 @@ def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = 
     return inverse_cdf(probs, rows.uniform(1, dtype=probs.dtype)).squeeze(-1)
 
 
+_ZERO = torch.zeros(())  # a CPU scalar: elementwise ops take it beside tensors of any device and float dtype
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The tokens [N, T] at which uniforms u [N, T] fall in each row's CDF of probs [N, V] (rows need not sum
     to 1); never a token without mass."""
@@ -281,5 +284,5 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     # u * total can round up to total, past every token: the target stays below it, so the first CDF entry
     # above it belongs to a token with mass (an all-zero row gives the last token).
-    below = torch.minimum(u * total, torch.nextafter(total, total.new_zeros(())))
+    below = torch.minimum(u * total, torch.nextafter(total, _ZERO))
     return torch.searchsorted(cdf, below, right=True).clamp(max=probs.shape[-1] - 1)
