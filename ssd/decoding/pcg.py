@@ -167,7 +167,7 @@ class Groups:
     def law(self, law: torch.Tensor) -> torch.Tensor:
         """The coarse law over every group [N, V] of laws [N, V]: the sparse membership [groups, tokens] times
         the shares P(u)/m(u), Σ|G| work per row."""
-        return (self.membership(law.dtype) @ (law / self.sizes.to(law.dtype)).T).T
+        return (self.membership(law.dtype) @ (law / self._float_sizes(law.dtype)).T).T
 
     def membership(self, dtype: torch.dtype) -> torch.Tensor:
         """[groups, tokens] 0/1 membership as a sparse CSR matrix of `dtype`, made once per dtype. Its product
@@ -320,7 +320,8 @@ class PCGRule(AcceptanceRule):
         rows = (next_token == UNSETTLED).nonzero().squeeze(-1)  # a host read: only after the sync saw some
         p, q, pos, u, proposals, chosen, labels = self._pending
         p_at, q_at = p[rows, pos[rows]], q[rows, pos[rows]]
-        residual = (self.groups.law(q_at) - self.groups.law(p_at)).clamp_min(0)
+        q_c, p_c = self.groups.law(torch.cat([q_at, p_at])).chunk(2)  # one sparse product for both laws
+        residual = (q_c - p_c).clamp_min(0)
         settled = inverse_cdf(residual, u[rows, :1])[:, 0]
         ids, shares = self.groups.split(settled[:, None], q_at[:, None])
         out = next_token.clone()
