@@ -81,6 +81,8 @@ def test_sample_draws_each_row_from_its_own_stream_and_never_a_zero_mass_token()
     # u · total rounding up to the total (u = 1 here) still lands on a token with mass, not past the last one
     edge.uniform = lambda n=1, dtype=torch.float32: torch.ones((1, n), dtype=dtype)
     assert sample(probs[:1], edge).item() == 3
+    # a row without mass still gives a token of the vocabulary
+    assert sample(torch.zeros(1, 5), edge).item() == 0
     # the law: a chi-square fit, and a shifted law as the negative control
     counts = np.bincount(tokens[1].numpy(), minlength=5)
     assert stats.chisquare(counts).pvalue > 1e-3

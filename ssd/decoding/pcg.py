@@ -134,17 +134,17 @@ class Groups:
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
-        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T', V]
-        (one per group, T' >= T: the first T read) or [..., 1, V] (one for a row's T groups). Work: the members
-        only, not V."""
+        (padded) and each member's share P(u)/m(u) of each law (0 past a group's end). A law is [..., T', V],
+        one per group (T' >= T: the first T read; a row's one law for its T groups is expanded to T). Work: the
+        members only, not V."""
         ids, weights = self._members(groups, laws[0].dtype)
-        return ids, *(_read(law, ids) * weights for law in laws)
+        return ids, *(law.gather(-1, ids) * weights for law in laws)
 
     def masses(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per law, the mass P_c(v) = Σ_{u in G_v} P(u)/m(u) of each group v of `groups` [..., T] (the sum of
         its shares in `split`; laws as there): [..., T] each."""
         ids, weights = self._members(groups, laws[0].dtype)
-        return [torch.linalg.vecdot(_read(law, ids), weights) for law in laws]
+        return [torch.linalg.vecdot(law.gather(-1, ids), weights) for law in laws]
 
     def _members(self, groups: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, 1/m(u)) of the members of the groups `groups` [...], both [..., W] (0 past a group's end)."""
@@ -302,7 +302,9 @@ class PCGRule(AcceptanceRule):
         q_next = q[rows, n_acc]
         tokens = inverse_cdf(q_next, u_draw)
         proposals = groups.pick(tokens, u_member)
-        p_proposed, q_proposed = groups.masses(proposals, p[rows, pos].unsqueeze(1), q_next.unsqueeze(1))
+        p_proposed, q_proposed = groups.masses(
+            proposals, p[rows, pos].unsqueeze(1).expand(-1, trials, -1), q_next.unsqueeze(1).expand(-1, trials, -1)
+        )
         # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+, i.e. where u · Q_c > P_c
         # (Q_c > 0: v is a group of a token Q drew). At the bonus position the draft proposed nothing (P = 0),
         # so the first proposal is kept: its token, a draw of Q, is the bonus token.
@@ -369,14 +371,6 @@ class PCGRule(AcceptanceRule):
             return f"PCGRule(theta={self.theta}, groups not built yet: bind(target))"
         mean = self.groups.sizes.float().mean()
         return f"PCGRule(theta={self.theta:.4f}, source={self.source.name}, vocab={self.vocab_size}, mean_group={mean:.2f})"
-
-
-def _read(law: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """law[..., ids]: laws [..., T' >= T, V] (the first T read) or [..., 1, V] read at ids [..., T, W] (a gather,
-    expanded for one law: take_along_dim broadcasts the same, at several times the cost)."""
-    if law.shape[-2] == 1:
-        law = law.expand(*ids.shape[:-1], law.shape[-1])
-    return law.gather(-1, ids)
 
 
 def _member(ids: torch.Tensor, shares: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

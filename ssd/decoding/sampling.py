@@ -12,6 +12,7 @@ analytic certificates pass float64).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -274,15 +275,16 @@ def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = 
     return inverse_cdf(probs, rows.uniform(1, dtype=probs.dtype)).squeeze(-1)
 
 
-_ZERO = torch.zeros(())  # a CPU scalar: elementwise ops take it beside tensors of any device and float dtype
+_DOWN = torch.tensor(-math.inf)  # a CPU scalar: elementwise ops take it beside tensors of any device and float dtype
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The tokens [N, T] at which uniforms u [N, T] fall in each row's CDF of probs [N, V] (rows need not sum
-    to 1); never a token without mass."""
+    to 1); never a token without mass (an all-zero row, which has none, gives token 0)."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    # u * total can round up to total, past every token: the target stays below it, so the first CDF entry
-    # above it belongs to a token with mass (an all-zero row gives the last token).
-    below = torch.minimum(u * total, torch.nextafter(total, _ZERO))
-    return torch.searchsorted(cdf, below, right=True).clamp(max=probs.shape[-1] - 1)
+    # u * total can round up to total, past every token: the target stays below the float under total, so the
+    # first CDF entry above it belongs to a token with mass and always exists (an all-zero row's target is
+    # negative: its first entry)
+    below = torch.minimum(u * total, torch.nextafter(total, _DOWN))
+    return torch.searchsorted(cdf, below, right=True)
