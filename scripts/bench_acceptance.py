@@ -72,7 +72,8 @@ def acceptance_step(rule, p, q, x):
     `bench.paired` wants, and the fraction of rows `settle` had to finish in each step so far."""
     streams = RowRandom(range(x.shape[0]), x.device)
     unsettled = []
-    if isinstance(rule, SettlingRule):  # warm its rare path too: a one-off setup there (PCG's sparse membership) is no step's cost
+    # warm a settling rule's rare path too: a one-off setup there (PCG's sparse membership) is no step's cost
+    if isinstance(rule, SettlingRule):
         rule.settle(torch.full_like(rule.verify(p, q, x, streams)[1], UNSETTLED))
 
     def step():

@@ -223,7 +223,8 @@ def test_openai_whisper_loads_a_local_checkpoint_file(tmp_path):
     )  # fmt: skip
     torch.manual_seed(0)
     model = whisper.model.Whisper(dims)
-    with torch.no_grad():  # whisper leaves the decoder's positions as torch.empty: NaN bits would fail equal()
+    # whisper leaves the decoder's positions as torch.empty: NaN bits there would fail torch.equal
+    with torch.no_grad():
         model.decoder.positional_embedding.normal_()
     path = tmp_path / "tiny.pt"
     torch.save({"dims": dims.__dict__, "model_state_dict": model.state_dict()}, path)

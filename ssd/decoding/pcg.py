@@ -130,7 +130,8 @@ class Groups:
     def pick(self, groups: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One member of each group, chosen uniformly by uniforms u (groups' shape): the member at place
         floor(u · |G|)."""
-        return self.padded.take(self.start.take(groups) + (u * self._float_sizes(u.dtype).take(groups)).long())
+        place = self.start.take(groups) + (u * self._float_sizes(u.dtype).take(groups)).long()
+        return self.padded.take(place)
 
     def split(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(ids [..., T, W], then per law its shares [..., T, W]): the members of the groups `groups` [..., T]
@@ -303,7 +304,9 @@ class PCGRule(AcceptanceRule):
         tokens = inverse_cdf(q_next, u_draw)
         proposals = groups.pick(tokens, u_member)
         p_proposed, q_proposed = groups.masses(
-            proposals, p[rows, pos].unsqueeze(1).expand(-1, trials, -1), q_next.unsqueeze(1).expand(-1, trials, -1)
+            proposals,
+            p[rows, pos].unsqueeze(1).expand(-1, trials, -1),
+            q_next.unsqueeze(1).expand(-1, trials, -1),
         )
         # Thinning: the first proposal kept with probability (1 - P_c(v)/Q_c(v))^+, i.e. where u · Q_c > P_c
         # (Q_c > 0: v is a group of a token Q drew). At the bonus position the draft proposed nothing (P = 0),

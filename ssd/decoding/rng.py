@@ -44,7 +44,7 @@ class RowRandom:
         seeds = [int(s) for s in torch.as_tensor(seeds).reshape(-1).tolist()]
         self.seeds = tuple(seeds)
         self.keys = _mix(torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.long, device=device))
-        self.row_ids = torch.arange(len(seeds), device=self.keys.device)  # made once: rules index rows with it
+        self.row_ids = torch.arange(len(seeds), device=self.keys.device)  # rules index rows with it
         self.drawn = 0  # numbers drawn per row so far (host-side: advancing it needs no sync)
         self._block: _Block | None = None
 

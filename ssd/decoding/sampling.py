@@ -275,7 +275,8 @@ def sample(probs: torch.Tensor, generator: RowRandom | torch.Generator | None = 
     return inverse_cdf(probs, rows.uniform(1, dtype=probs.dtype)).squeeze(-1)
 
 
-_DOWN = torch.tensor(-math.inf)  # a CPU scalar: elementwise ops take it beside tensors of any device and float dtype
+# a CPU scalar: elementwise ops take it beside tensors of any device and float dtype
+_DOWN = torch.tensor(-math.inf)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
