@@ -288,4 +288,5 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # first CDF entry above it belongs to a token with mass and always exists (an all-zero row's target is
     # negative: its first entry)
     below = torch.minimum(u * total, torch.nextafter(total, _DOWN))
-    return torch.searchsorted(cdf, below, right=True)
+    # the clamp keeps a NaN row inside the vocabulary, so the caller's check of the logits names the fault
+    return torch.searchsorted(cdf, below, right=True).clamp(max=probs.shape[-1] - 1)
