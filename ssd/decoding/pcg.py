@@ -141,7 +141,7 @@ class Groups:
         ids, weights = self._members(groups, laws[0].dtype)
         return ids, *(law.gather(-1, ids) * weights for law in laws)
 
-    def masses(self, groups: torch.Tensor, *laws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def masses(self, groups: torch.Tensor, *laws: torch.Tensor) -> list[torch.Tensor]:
         """Per law, the mass P_c(v) = Σ_{u in G_v} P(u)/m(u) of each group v of `groups` [..., T] (the sum of
         its shares in `split`; laws as there): [..., T] each."""
         ids, weights = self._members(groups, laws[0].dtype)
